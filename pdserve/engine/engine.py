@@ -1,0 +1,181 @@
+"""The engine: model, paged KV cache, scheduler and sampler driven one step at a time.
+
+Single-threaded by design: only the step-loop thread calls into it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.metrics import EngineMetrics
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestOutput, Status
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.model import loader
+from pdserve.model.kv_cache import KVCache
+from pdserve.model.llama import LlamaModel, ModelConfig
+from pdserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_config: KVTransferConfig | None = None,
+                 registry: CollectorRegistry | None = None, engine_id: str = "",
+                 side_channel: tuple[str, int] = ("127.0.0.1", 5600)) -> None:
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device("cpu")
+        folder = loader.resolve(config.model)
+        try:
+            self.model_config = ModelConfig.from_hf(loader.load_config(folder))
+        except (KeyError, ValueError) as e:
+            raise loader.ModelLoadError(f"{folder / 'config.json'}: {e}") from None
+        self.tokenizer = Tokenizer.from_folder(folder, list(self.model_config.eos_token_ids))
+        self.dtype = DTYPES[config.dtype]
+        max_len = max(config.max_model_len, 1)
+        try:
+            model = LlamaModel(self.model_config, loader.load_state_dict(folder), self.dtype,
+                               self.device, max_len)
+        except ValueError as e:
+            raise loader.ModelLoadError(f"{folder}: {e}") from None
+        shape = self.model_config.kv_shape(config.block_size, config.kv_layout)
+        num_blocks = config.num_kv_blocks or int(
+            config.kv_cache_memory_gib * 2**30 // shape.block_bytes(self.dtype))
+        self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(config, self.allocator)
+        self.runner = ModelRunner(model, self.cache, Sampler(config.seed))
+        self.engine_id = engine_id or (kv_config.engine_id if kv_config else "local")
+        self.metrics = EngineMetrics(registry or CollectorRegistry(), self.engine_id)
+        self.metrics.blocks_total.set(num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.detok: dict[str, Detokenizer] = {}
+        self.connector = None
+        if kv_config is not None:
+            from pdserve.kv_transfer.factory import make_connector
+            self.connector = make_connector(kv_config, self, registry, side_channel)
+        self._update_gauges()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> list[RequestOutput]:
+        self.requests[req.request_id] = req
+        self.detok[req.request_id] = Detokenizer(self.tokenizer, req.params.stop)
+        outputs: list[RequestOutput] = []
+        if self.connector is not None:
+            first = self.connector.on_add(req)
+            if first is not None:  # the prefill's first token: emit it before any pull
+                outputs.append(self._append(req, *first, time.monotonic()))
+        if not req.finished:
+            self.scheduler.add(req)
+        return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return self._output(req, [], [])
+
+    def fail_request(self, req: Request, error: str) -> RequestOutput:
+        req.error = error
+        self._finish(req, "error")
+        return self._output(req, [], [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.connector.poll() if self.connector is not None else []
+        sched = self.scheduler.schedule()
+        self.metrics.preemptions.inc(len(sched.preempted))
+        if sched.to_load:
+            self.connector.start_load(sched.to_load)
+        if sched.items:
+            outputs += self._run(sched.items)
+        self._update_gauges()
+        return outputs
+
+    def _run(self, items: list[tuple[Request, int]]) -> list[RequestOutput]:
+        for req, n in items:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.metrics.prompt_computed.inc(
+                    min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        sampled, tokens, logprobs = self.runner.run(items)
+        for req, n in items:
+            req.num_computed_tokens += n
+        now = time.monotonic()
+        return [self._append(r, t, lp, now) for r, t, lp in zip(sampled, tokens, logprobs,
+                                                                 strict=True)]
+
+    def _append(self, req: Request, token: int, logprob: float, now: float) -> RequestOutput:
+        req.token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        stopped = self.detok[req.request_id].add(token)
+        reason = self._finish_reason(req, token, stopped)
+        if reason is not None:
+            self._finish(req, reason)
+        return self._output(req, [token], [logprob])
+
+    def _finish_reason(self, req: Request, token: int, stopped: bool) -> str | None:
+        p = req.params
+        if stopped or token in p.stop_token_ids or (
+                not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or \
+                len(req.token_ids) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """End a request: leave the queues, free (or hand over) its blocks."""
+        req.finish_reason = reason
+        was_loading = req.status is Status.WAITING_FOR_REMOTE_KV
+        req.status = Status.FINISHED
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        if self.connector is not None and self.connector.on_finish(req, was_loading):
+            return  # the connector holds the blocks (lease, or a pull still writing them)
+        self.free_blocks(req)
+
+    def free_blocks(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:
+        finished = req.finish_reason is not None
+        detok = self.detok[req.request_id]
+        if finished:
+            self.detok.pop(req.request_id, None)
+        return RequestOutput(
+            req.request_id, tokens, logprobs, detok.take(final=finished),
+            req.num_prompt_tokens, req.num_output_tokens, req.finish_reason, req.error,
+            req.response_kv_params if finished else None)
+
+    def _update_gauges(self) -> None:
+        m, s = self.metrics, self.scheduler
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting) + len(s.loading))
+        m.blocks_free.set(self.allocator.num_free)

@@ -1,0 +1,89 @@
+"""A request's sampling parameters and its life in the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class Status(Enum):
+    WAITING = auto()
+    WAITING_FOR_REMOTE_KV = auto()  # blocks allocated, KV being pulled from a prefill
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None = None
+    response_kv_params: dict[str, Any] | None = None  # a prefill's answer for the decode
+    load_remote: bool = False  # its prompt KV is to be pulled from a remote prefill
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    output_logprobs: list[float] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text: str  # new text since the previous output
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,127 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Every step spends a token budget: running requests first (a decode costs one token, an
+unfinished prefill its next chunk), then waiting ones. A request whose KV comes from a
+remote prefill gets its blocks and waits in WAITING_FOR_REMOTE_KV until the pull lands."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class Schedule:
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    to_load: list[Request] = field(default_factory=list)  # blocks ready for a remote pull
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.loading)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new(req, budget)
+            if not self._reserve(req, n, out):
+                break  # req itself was preempted
+            out.items.append((req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and self._slots_left():
+            req = self.waiting[0]
+            if req.load_remote:
+                if not self._grow(req, req.num_prompt_tokens):
+                    break
+                self.waiting.popleft()
+                req.status = Status.WAITING_FOR_REMOTE_KV
+                self.loading[req.request_id] = req
+                out.to_load.append(req)
+                continue
+            n = self._num_new(req, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.items.append((req, n))
+            budget -= n
+        return out
+
+    def loaded(self, req: Request, ok: bool) -> None:
+        """A remote pull ended: the prompt is computed, or (failed) must be recomputed."""
+        self.loading.pop(req.request_id, None)
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            req.load_remote = False
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted request out of every queue (blocks stay with it)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.loading.pop(req.request_id, None)
+
+    def _slots_left(self) -> bool:
+        return len(self.running) + len(self.loading) < self.config.max_num_seqs
+
+    def _num_new(self, req: Request, budget: int) -> int:
+        # A prompt is prefilled in chunks that stop at its end, so its KV (and what a
+        # remote prefill computes) is the same whatever follows it.
+        end = len(req.token_ids)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            end = req.num_prompt_tokens
+        return min(end - req.num_computed_tokens, budget)
+
+    def _reserve(self, req: Request, n: int, out: Schedule) -> bool:
+        """Grow `req` to hold n more tokens, preempting the newest running requests."""
+        while not self._grow(req, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.config.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.block_ids += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+

@@ -1,0 +1,30 @@
+"""The `pdserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from pdserve.entrypoints import serve
+    serve.add_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s", stream=sys.stderr)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""OpenAI-compatible request bodies (plus vLLM's extensions: kv_transfer_params, top_k,
+ignore_eos, stop_token_ids) and the error body."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdserve.engine.request import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we do not use
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=0)  # chosen token's logprob only
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError("send one prompt per request (batched prompts are not "
+                                 "supported)")
+            p = p[0]
+        if isinstance(p, str | list) and len(p) == 0:
+            raise ValueError("prompt must not be empty")
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+
+
+def error_body(message: str, code: int, kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,91 @@
+"""`pdserve serve`: one engine behind the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+
+log = logging.getLogger("pdserve.serve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the CPU has bf16 instructions, else float32")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"])
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory_gib,
+                   help="GiB of KV cache (default %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-layout", default=d.kv_layout, choices=["NHD", "HND"])
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from pdserve.platforms.cpu import default_dtype
+
+    cfg = EngineConfig(
+        model=args.model, dtype=default_dtype() if args.dtype == "auto" else args.dtype,
+        device=args.device, block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        num_threads=args.num_threads, seed=args.seed)
+    cfg.validate()
+    return cfg
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    add_engine_args(p)
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+    p.add_argument("--kv-side-channel-host",
+                   default=os.environ.get("PDSERVE_KV_SIDE_CHANNEL_HOST", "127.0.0.1"))
+    p.add_argument("--kv-side-channel-port", type=int,
+                   default=int(os.environ.get("PDSERVE_KV_SIDE_CHANNEL_PORT", "5600")))
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.entrypoints.api_server import ServerState, build_app
+    from pdserve.model.loader import ModelLoadError, model_name
+
+    cfg = engine_config(args)
+    kv = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config \
+        else None
+    registry = CollectorRegistry()
+    try:
+        engine = LLMEngine(cfg, kv, registry,
+                           side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
+    except (ModelLoadError, ConfigError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    connector = engine.connector
+    state = ServerState(
+        AsyncEngine(engine), engine.tokenizer, model_name(cfg.model), cfg.max_model_len,
+        registry,
+        validate_kv_params=connector.validate_params if connector else None,
+        kv_info=connector.info if connector else None)
+    log.info("serving %s on %s (%s), %d KV blocks of %d tokens, at http://%s:%d",
+             model_name(cfg.model), engine.device, cfg.dtype, engine.allocator.num_blocks,
+             cfg.block_size, args.host, args.port)
+    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,64 @@
+"""The paged KV cache: one tensor, block-major, so that one block is one contiguous region
+across all layers (one NIXL descriptor per run of blocks, not one per layer and K/V)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str  # "NHD": (tokens, heads, dim) within a block; "HND": (heads, tokens, dim)
+
+    def block_shape(self) -> tuple[int, ...]:
+        inner = ((self.block_size, self.num_kv_heads, self.head_dim) if self.layout == "NHD"
+                 else (self.num_kv_heads, self.block_size, self.head_dim))
+        return (self.num_layers, 2, *inner)
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        n = 1
+        for d in self.block_shape():
+            n *= d
+        return n * dtype.itemsize
+
+
+class KVCache:
+    def __init__(self, shape: KVShape, num_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros((num_blocks, *shape.block_shape()), dtype=dtype, device=device)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.shape.block_bytes(self.tensor.dtype)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Store k, v ([tokens, kv_heads, dim]) at (block, offset) slots."""
+        kc, vc = self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+        if self.shape.layout == "NHD":
+            kc[blocks, offsets] = k
+            vc[blocks, offsets] = v
+        else:
+            kc[blocks, :, offsets] = k
+            vc[blocks, :, offsets] = v
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V for block tables [batch, n] as [batch, kv_heads, n * block_size, dim]."""
+        return self._gather(self.tensor[:, layer, 0], tables), \
+            self._gather(self.tensor[:, layer, 1], tables)
+
+    def _gather(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        b, n = tables.shape
+        x = cache[tables]  # [b, n, ...block]
+        s = self.shape
+        if s.layout == "NHD":
+            return x.reshape(b, n * s.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        return x.transpose(1, 2).reshape(b, s.num_kv_heads, n * s.block_size, s.head_dim)

@@ -1,0 +1,206 @@
+"""Llama-family forward (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+One forward runs a flat batch of tokens from many sequences: the projections and MLP see
+all tokens at once; attention runs single-token queries (decodes) as one batched call and
+each multi-token chunk (a prefill) as its own call."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.kv_cache import KVCache, KVShape
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, c: dict) -> ModelConfig:
+        arch = c.get("model_type", "llama")
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {arch!r}; supported: llama, mistral, qwen2")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        eos = c.get("eos_token_id")
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            qkv_bias=c.get("attention_bias", arch == "qwen2"),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None
+                                else []),
+        )
+
+    def kv_shape(self, block_size: int, layout: str) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, block_size, layout)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A multi-token query of one sequence: flat tokens [start, end) at positions
+    [pos, pos + end - start), reading blocks `table`."""
+    start: int
+    end: int
+    pos: int
+    table: torch.Tensor  # [1, n] block ids covering pos + (end - start) tokens
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_blocks: torch.Tensor  # [T]: where each token's K/V is stored
+    slot_offsets: torch.Tensor  # [T]
+    logits_index: torch.Tensor  # [B]: tokens whose next-token logits are wanted
+    decode_index: torch.Tensor | None = None  # [D]: single-token queries
+    decode_tables: torch.Tensor | None = None  # [D, n]
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, n * block_size]
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 max_len: int = 4096) -> None:
+        self.config = config
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weights are missing tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        p = "model.layers."
+        # Fused projections: one GEMM for q/k/v and one for gate/up.
+        self.layers = [Layer(
+            ln1=w(f"{p}{i}.input_layernorm.weight"),
+            qkv=torch.cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"]),
+            qkv_bias=(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.bias") for x in "qkv"])
+                      if config.qkv_bias else None),
+            o=w(f"{p}{i}.self_attn.o_proj.weight"),
+            ln2=w(f"{p}{i}.post_attention_layernorm.weight"),
+            gate_up=torch.cat([w(f"{p}{i}.mlp.gate_proj.weight"), w(f"{p}{i}.mlp.up_proj.weight")]),
+            down=w(f"{p}{i}.mlp.down_proj.weight"),
+        ) for i in range(config.num_layers)]
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.cos, self.sin = _rope_table(config, max_len, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """Run the batch, store its K/V in `cache`, return float32 logits [B, vocab]."""
+        c = self.config
+        h = self.embed[batch.input_ids]
+        cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[batch.positions].to(self.dtype).unsqueeze(1)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.ln1, c.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
+            q = _rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = _rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
+            h = h + F.linear(self._attention(i, q, k, v, batch, cache), layer.o)
+            x = _rms_norm(h, layer.ln2, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, -1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = _rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   batch: Batch, cache: KVCache) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if batch.decode_index is not None:
+            kc, vc = cache.gather(layer, batch.decode_tables)
+            qd = q[batch.decode_index].unsqueeze(2)  # [D, heads, 1, dim]
+            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=batch.decode_mask,
+                                               enable_gqa=True)
+            out[batch.decode_index] = o.squeeze(2)
+        for ch in batch.chunks:
+            qc = q[ch.start:ch.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+            if ch.pos == 0:  # nothing cached before this chunk: attend to its own K/V
+                kc = k[ch.start:ch.end].transpose(0, 1).unsqueeze(0)
+                vc = v[ch.start:ch.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+            else:
+                n = ch.end - ch.start
+                kc, vc = cache.gather(layer, ch.table)
+                kc, vc = kc[:, :, :ch.pos + n], vc[:, :, :ch.pos + n]
+                mask = (torch.arange(ch.pos + n).unsqueeze(0)
+                        <= torch.arange(ch.pos, ch.pos + n).unsqueeze(1))
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+            out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
+        return out.flatten(1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32)
+                                       / c.head_dim))
+    if c.rope_scaling:
+        inv_freq = _llama3_scaling(inv_freq, c.rope_scaling)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)

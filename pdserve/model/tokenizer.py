@@ -1,0 +1,62 @@
+"""The model's tokenizer and chat template, read from its HF folder without transformers
+(importing transformers costs seconds at every start)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    backend: HFTokenizer
+    eos_token_ids: frozenset[int]
+    chat_template: jinja2.Template | None
+    special: dict[str, str]  # bos_token / eos_token strings for the template
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_ids: list[int]) -> Tokenizer:
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_file = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token")}
+        eos = set(eos_ids)
+        if special["eos_token"] and (tid := backend.token_to_id(special["eos_token"])) is not None:
+            eos.add(tid)
+        template_file = folder / "chat_template.jinja"
+        source = template_file.read_text() if template_file.exists() else cfg.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(source) if isinstance(source, str) else None
+        return cls(backend, frozenset(eos), template, special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        return self.chat_template.render(messages=messages, add_generation_prompt=True,
+                                         **self.special)
+
+
+def _token_str(value: object) -> str:
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)

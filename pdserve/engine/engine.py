@@ -104,7 +104,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(sched.preempted))
         if sched.to_load:
-            self.connector.start_load(sched.to_load)
+            outputs += self.connector.start_load(sched.to_load)
         if sched.items:
             outputs += self._run(sched.items)
         self._update_gauges()

@@ -68,11 +68,13 @@ class Scheduler:
             budget -= n
         return out
 
-    def loaded(self, req: Request, ok: bool) -> None:
-        """A remote pull ended: the prompt is computed, or (failed) must be recomputed."""
+    def loaded(self, req: Request, ok: bool, recompute_last: bool = False) -> None:
+        """A remote pull ended: the prompt is computed, or (failed) must be recomputed.
+        recompute_last: the prefill sent no first token, so the last prompt token is run
+        here to sample it."""
         self.loading.pop(req.request_id, None)
         if ok:
-            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_computed_tokens = req.num_prompt_tokens - int(recompute_last)
             req.status = Status.RUNNING
             self.running.append(req)
         else:

@@ -22,6 +22,7 @@ from pdserve.entrypoints.protocol import (
     CompletionRequest,
     _Body,
     error_body,
+    require_api_key,
 )
 from pdserve.model.tokenizer import Tokenizer
 
@@ -41,6 +42,7 @@ class ServerState:
     registry: CollectorRegistry
     validate_kv_params: Callable[[dict[str, Any], int], None] | None = None
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
+    api_key: str | None = None
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -48,6 +50,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.pd = state
     app.add_exception_handler(HTTPError, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    require_api_key(app, state.api_key)
 
     @app.get("/health")
     async def health() -> dict:

@@ -12,8 +12,10 @@ from pdserve.config import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from pdserve.entrypoints import serve
+    from pdserve.entrypoints import proxy, serve, up
     serve.add_parser(sub)
+    proxy.add_parser(sub)
+    up.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", stream=sys.stderr)

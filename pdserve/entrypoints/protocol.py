@@ -3,7 +3,11 @@ ignore_eos, stop_token_ids) and the error body."""
 
 from __future__ import annotations
 
+import hmac
 from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -85,3 +89,18 @@ class ChatCompletionRequest(_Body):
 def error_body(message: str, code: int, kind: str = "invalid_request_error",
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def require_api_key(app: FastAPI, key: str | None) -> None:
+    """OpenAI-style Bearer auth on /v1/* (health and metrics stay open for probes)."""
+    if not key:
+        return
+    expected = f"Bearer {key}"
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("authorization", ""), expected):
+            return JSONResponse(error_body("invalid or missing API key", 401,
+                                           "authentication_error"), status_code=401)
+        return await call_next(request)

@@ -56,6 +56,8 @@ def add_parser(sub) -> None:
                    default=os.environ.get("PDSERVE_KV_SIDE_CHANNEL_HOST", "127.0.0.1"))
     p.add_argument("--kv-side-channel-port", type=int,
                    default=int(os.environ.get("PDSERVE_KV_SIDE_CHANNEL_PORT", "5600")))
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require this Bearer key on /v1/* (env PDSERVE_API_KEY)")
     p.set_defaults(run=run)
 
 
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         AsyncEngine(engine), engine.tokenizer, model_name(cfg.model), cfg.max_model_len,
         registry,
         validate_kv_params=connector.validate_params if connector else None,
-        kv_info=connector.info if connector else None)
+        kv_info=connector.info if connector else None, api_key=args.api_key)
     log.info("serving %s on %s (%s), %d KV blocks of %d tokens, at http://%s:%d",
              model_name(cfg.model), engine.device, cfg.dtype, engine.allocator.num_blocks,
              cfg.block_size, args.host, args.port)

@@ -1,0 +1,63 @@
+"""The connector interface: the engine talks to KV transfer only through these.
+
+`Transport` is the worker side (memory registration, handshakes, one-sided reads,
+notifications); `PDConnector` (connector.py) is the scheduler side, the bookkeeping
+over any Transport. A second transport (push/WRITE, shared memory) is a new Transport."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Literal
+
+XferState = Literal["DONE", "PROC", "ERR"]
+
+
+class IncompatibleKV(RuntimeError):
+    """The two sides' KV layouts cannot be read into each other; the message says how."""
+
+
+@dataclass(slots=True)
+class Peer:
+    """A remote rank after a successful handshake."""
+    host: str
+    port: int
+    engine_id: str
+    agent: str
+    num_blocks: int
+    info: dict[str, Any]  # the rest of what the handshake told us
+
+
+class Transport(ABC):
+    @abstractmethod
+    def connect(self, host: str, port: int) -> Peer:
+        """Handshake with a remote rank (blocking; called off the engine thread)."""
+
+    @abstractmethod
+    def forget(self, peer: Peer) -> None:
+        """Drop a peer (e.g. it restarted with a new agent)."""
+
+    @abstractmethod
+    def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
+             notif: bytes) -> Any:
+        """Start pulling remote blocks into local ones; `notif` reaches the peer when done."""
+
+    @abstractmethod
+    def poll(self, handle: Any) -> XferState: ...
+
+    @abstractmethod
+    def handle_stats(self, handle: Any) -> tuple[int, int]:
+        """(bytes, descriptors) of a read."""
+
+    @abstractmethod
+    def notify(self, peer: Peer, msg: bytes) -> None: ...
+
+    @abstractmethod
+    def notifications(self) -> list[bytes]: ...
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """What a decode needs to reach this rank: engine_id, host, port."""
+
+    @abstractmethod
+    def close(self) -> None: ...

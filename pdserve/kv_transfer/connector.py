@@ -1,0 +1,325 @@
+"""The scheduler side of P/D: which requests pull KV and from where, leases on blocks a
+prefill holds, heartbeats, failure policy. Runs on the engine thread; handshakes (blocking
+network I/O) run on a helper thread and are picked up by poll()."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdserve.config import KVTransferConfig
+from pdserve.engine.request import Request, RequestOutput, Status
+from pdserve.kv_transfer.base import Peer, Transport
+from pdserve.kv_transfer.lease import LeaseTable
+from pdserve.kv_transfer.metrics import TransferMetrics
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import LLMEngine
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+DONE, RENEW = b"done:", b"renew:"
+
+
+@dataclass(slots=True)
+class Pull:
+    """A decode request's remote KV: where it is, and how far the pull got."""
+    req: Request
+    host: str
+    port: int
+    engine_id: str
+    block_ids: list[int]
+    request_id: str  # the prefill's id for it
+    has_first_token: bool
+    peer: Peer | None = None
+    handle: Any = None
+    started: float = 0.0
+    deadline: float = 0.0
+    renewed: float = field(default_factory=time.monotonic)
+    abandoned: bool = False  # the request ended; only tell the prefill and clean up
+
+
+class PDConnector:
+    def __init__(self, config: KVTransferConfig, engine: LLMEngine, transport: Transport,
+                 metrics: TransferMetrics, side_channel_host: str) -> None:
+        self.config = config
+        self.x = config.kv_connector_extra_config
+        self.engine = engine
+        self.transport = transport
+        self.metrics = metrics
+        self.leases = LeaseTable(self.x.kv_lease_duration)
+        self.pulls: dict[str, Pull] = {}
+        self.peers: dict[tuple[str, int], Peer] = {}
+        self.connecting: dict[tuple[str, int], Future] = {}
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
+        self._allowed = {side_channel_host, *self.x.allowed_remote_hosts}
+        self._last_log = 0.0
+
+    # -- validation (HTTP thread) ---------------------------------------------------------
+
+    def validate_params(self, p: dict[str, Any], prompt_len: int) -> None:
+        """Refuse kv_transfer_params that are malformed or point where we must not go."""
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if key in p and not isinstance(p[key], bool):
+                raise ValueError(f"{key} must be a boolean")
+        if not p.get("do_remote_prefill"):
+            return
+        if p.get("do_remote_decode"):
+            raise ValueError("do_remote_prefill and do_remote_decode are exclusive")
+        if not self.config.is_consumer:
+            raise ValueError("this server is a KV producer (kv_role kv_producer); it does "
+                             "not pull KV")
+        if not _complete(p):
+            return  # merely unusable: the prompt is recomputed here
+        host, port, ids = p["remote_host"], p["remote_port"], p["remote_block_ids"]
+        if not isinstance(host, str) or not self.host_allowed(host):
+            raise ValueError(f"remote_host {host!r} is not allowed (allowed: loopback, "
+                             f"{', '.join(sorted(self._allowed))}; see "
+                             "kv_connector_extra_config.allowed_remote_hosts)")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError("remote_port must be an integer in 1..65535")
+        if not isinstance(ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise ValueError("remote_block_ids must be a list of non-negative integers")
+        need = -(-prompt_len // self.engine.config.block_size)
+        if len(ids) != need:
+            raise ValueError(f"remote_block_ids has {len(ids)} blocks; a {prompt_len}-token "
+                             f"prompt fills {need}")
+        if not isinstance(p["remote_engine_id"], str) or \
+                not isinstance(p.get("remote_request_id", ""), str):
+            raise ValueError("remote_engine_id and remote_request_id must be strings")
+        first = p.get("first_token_id")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool)
+                                  or not 0 <= first < self.engine.tokenizer.vocab_size):
+            raise ValueError("first_token_id must be a token id of this model")
+
+    def host_allowed(self, host: str) -> bool:
+        if host in self._allowed or host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    # -- engine hooks (engine thread) -------------------------------------------------------
+
+    def on_add(self, req: Request) -> tuple[int, float] | None:
+        """Note a remote-prefilled request; returns the prefill's first token to emit now."""
+        p = req.kv_transfer_params or {}
+        if not (p.get("do_remote_prefill") and self.config.is_consumer and _complete(p)):
+            return None
+        first = p.get("first_token_id")
+        pull = Pull(req, p["remote_host"], p["remote_port"], p["remote_engine_id"],
+                    list(p["remote_block_ids"]), p.get("remote_request_id") or req.request_id,
+                    first is not None)
+        self.pulls[req.request_id] = pull
+        self._connect(pull)  # early, so the handshake overlaps the wait for blocks
+        if req.num_prompt_tokens >= max(self.x.min_transfer_tokens, 1):
+            req.load_remote = True
+        else:
+            self.metrics.recomputed.inc()
+            pull.abandoned = True  # recompute here; tell the prefill to let go
+        if first is None:
+            return None
+        return int(first), float(p.get("first_token_logprob") or 0.0)
+
+    def start_load(self, reqs: list[Request]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for req in reqs:
+            pull = self.pulls[req.request_id]
+            if pull.peer is not None:
+                self._start_read(pull, outputs)
+        return outputs
+
+    def on_finish(self, req: Request, was_loading: bool) -> bool:
+        """A request ended. True if the connector keeps its blocks (and frees them later)."""
+        pull = self.pulls.get(req.request_id)
+        if pull is not None:
+            pull.abandoned = True
+            return pull.handle is not None  # a READ may still be writing the blocks
+        p = req.kv_transfer_params or {}
+        if p.get("do_remote_decode") and self.config.is_producer and \
+                req.finish_reason in ("stop", "length") and req.num_output_tokens > 0:
+            self._hold_for_decode(req)
+            return True
+        return False
+
+    def busy(self) -> bool:
+        """Work only polling can advance (the engine loop then polls often)."""
+        return bool(self.pulls or self.connecting)
+
+    def poll_interval(self) -> float:
+        return 0.001 if self.pulls else 0.01 if self.leases.leases else 0.05
+
+    def poll(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._handle_notifications()
+        self._expire_leases()
+        self._collect_handshakes(outputs)
+        now = time.monotonic()
+        for pull in list(self.pulls.values()):
+            if pull.handle is not None:
+                self._check_read(pull, now, outputs)
+            elif pull.abandoned and pull.peer is not None:
+                self.transport.notify(pull.peer, DONE + pull.request_id.encode())
+                del self.pulls[pull.req.request_id]
+            elif pull.peer is not None and now - pull.renewed > self.x.kv_lease_duration / 3:
+                self.transport.notify(pull.peer, RENEW + pull.request_id.encode())
+                pull.renewed = now
+        self.metrics.blocks_held.set(self.leases.num_blocks)
+        self._log_stats(now)
+        return outputs
+
+    def info(self) -> list[dict[str, Any]]:
+        return [{**self.transport.info(), "dp_rank": 0, "tp_rank": 0}]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+    # -- prefill side ----------------------------------------------------------------------
+
+    def _hold_for_decode(self, req: Request) -> None:
+        info = self.transport.info()
+        self.leases.hold(req.request_id, list(req.block_ids))
+        req.response_kv_params = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": info["engine_id"], "remote_block_ids": list(req.block_ids),
+            "remote_request_id": req.request_id, "remote_host": info["side_channel_host"],
+            "remote_port": info["side_channel_port"], "tp_size": 1,
+            "first_token_id": req.output_token_ids[0],
+            "first_token_logprob": req.output_logprobs[0],
+        }
+
+    def _handle_notifications(self) -> None:
+        for msg in self.transport.notifications():
+            if msg.startswith(DONE):
+                self._free(self.leases.reader_done(msg[len(DONE):].decode(errors="replace")))
+            elif msg.startswith(RENEW):
+                self.leases.renew(msg[len(RENEW):].decode(errors="replace"))
+
+    def _expire_leases(self) -> None:
+        for rid, blocks in self.leases.expire():
+            log.warning("lease on %d blocks of request %s expired: no decode read them",
+                        len(blocks), rid)
+            self.metrics.lease_expired.inc()
+            self._free(blocks)
+
+    def _free(self, blocks: list[int]) -> None:
+        if blocks:
+            self.engine.allocator.free(blocks)
+
+    # -- decode side -----------------------------------------------------------------------
+
+    def _connect(self, pull: Pull) -> None:
+        key = (pull.host, pull.port)
+        peer = self.peers.get(key)
+        if peer is not None and peer.engine_id != pull.engine_id:
+            # The prefill restarted (a new engine and agent): never read via the stale one.
+            self.transport.forget(peer)
+            del self.peers[key]
+            peer = None
+        if peer is not None:
+            pull.peer = peer
+        elif key not in self.connecting:
+            self.connecting[key] = self._pool.submit(self.transport.connect, *key)
+
+    def _collect_handshakes(self, outputs: list[RequestOutput]) -> None:
+        for key, fut in list(self.connecting.items()):
+            if not fut.done():
+                continue
+            del self.connecting[key]
+            try:
+                peer = fut.result()
+            except Exception as e:  # handshake refused, timed out, or incompatible
+                self._fail_pulls(key, f"KV handshake with {key[0]}:{key[1]} failed: {e}",
+                                 outputs)
+                continue
+            self.peers[key] = peer
+            for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:
+                if pull.engine_id != peer.engine_id:
+                    self._fail(pull, f"unknown remote_engine_id {pull.engine_id!r}: "
+                                     f"{key[0]}:{key[1]} is engine {peer.engine_id!r}",
+                               outputs)
+                    continue
+                pull.peer = peer
+                if pull.req.status is Status.WAITING_FOR_REMOTE_KV:
+                    self._start_read(pull, outputs)
+
+    def _start_read(self, pull: Pull, outputs: list[RequestOutput]) -> None:
+        local = pull.req.block_ids[:len(pull.block_ids)]
+        try:
+            pull.handle = self.transport.read(pull.peer, local, pull.block_ids,
+                                              DONE + pull.request_id.encode())
+        except (ValueError, RuntimeError) as e:
+            pull.handle = None
+            self._fail(pull, f"KV read from {pull.host}:{pull.port} refused: {e}", outputs)
+            return
+        pull.started = time.monotonic()
+        pull.deadline = pull.started + self.x.transfer_timeout
+
+    def _check_read(self, pull: Pull, now: float, outputs: list[RequestOutput]) -> None:
+        state = self.transport.poll(pull.handle)
+        if state == "PROC" and now < pull.deadline:
+            return
+        handle, pull.handle = pull.handle, None
+        if state != "DONE":
+            why = "timed out" if state == "PROC" else "failed (prefill gone?)"
+            self._fail(pull, f"KV read from {pull.host}:{pull.port} {why}", outputs)
+            return
+        nbytes, descs = self.transport.handle_stats(handle)
+        self.metrics.transfers.inc()
+        self.metrics.bytes.inc(nbytes)
+        self.metrics.descriptors.observe(descs)
+        self.metrics.seconds.observe(now - pull.started)
+        del self.pulls[pull.req.request_id]
+        if pull.abandoned:  # the request ended while its blocks were being written
+            self.engine.free_blocks(pull.req)
+        else:
+            self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not
+                                         pull.has_first_token)
+
+    def _fail_pulls(self, key: tuple[str, int], why: str,
+                    outputs: list[RequestOutput]) -> None:
+        for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:
+            self._fail(pull, why, outputs)
+
+    def _fail(self, pull: Pull, why: str, outputs: list[RequestOutput]) -> None:
+        """Apply kv_load_failure_policy to a pull that cannot complete."""
+        self.pulls.pop(pull.req.request_id, None)
+        if pull.peer is not None:
+            self.transport.notify(pull.peer, DONE + pull.request_id.encode())
+        req = pull.req
+        if pull.abandoned:
+            if req.finished and req.block_ids:  # blocks were kept for the failed READ
+                self.engine.free_blocks(req)
+            return
+        self.metrics.failures.inc()
+        log.warning("request %s: %s", req.request_id, why)
+        if self.config.kv_load_failure_policy == "fail":
+            outputs.append(self.engine.fail_request(req, why))
+            return
+        self.metrics.recomputed.inc()
+        if req.status is Status.WAITING_FOR_REMOTE_KV:
+            self.engine.scheduler.loaded(req, ok=False)
+        req.load_remote = False
+
+    def _log_stats(self, now: float) -> None:
+        if now - self._last_log < 10:
+            return
+        self._last_log = now
+        sent = self.metrics.transfers._value.get()
+        if sent or self.leases.leases:
+            log.info("KV transfer: %d pulls, %.1f MB, %d failures, %d blocks held, "
+                     "%d leases expired", sent, self.metrics.bytes._value.get() / 1e6,
+                     self.metrics.failures._value.get(), self.leases.num_blocks,
+                     self.metrics.lease_expired._value.get())
+
+
+def _complete(p: dict[str, Any]) -> bool:
+    return all(p.get(k) is not None for k in ("remote_host", "remote_port", "remote_block_ids",
+                                              "remote_engine_id"))

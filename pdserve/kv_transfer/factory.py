@@ -1,0 +1,33 @@
+"""Builds the connector a --kv-transfer-config names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.connector import PDConnector
+from pdserve.kv_transfer.metrics import TransferMetrics
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import LLMEngine
+
+
+def make_connector(config: KVTransferConfig, engine: LLMEngine,
+                   registry: CollectorRegistry | None, side_channel: tuple[str, int]
+                   ) -> PDConnector:
+    from pdserve.kv_transfer.nixl_connector import NixlTransport
+
+    host, port = side_channel
+    shape = engine.cache.shape
+    layout = {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
+              "head_dim": shape.head_dim, "block_size": shape.block_size,
+              "layout": shape.layout, "dtype": str(engine.dtype).removeprefix("torch."),
+              "block_bytes": engine.cache.block_bytes}
+    x = config.kv_connector_extra_config
+    transport = NixlTransport(engine.engine_id, engine.cache.tensor, layout, host, port,
+                              x.handshake_timeout, x.side_channel_secret,
+                              serve=config.is_producer)
+    metrics = TransferMetrics(registry or CollectorRegistry(), engine.engine_id)
+    return PDConnector(config, engine, transport, metrics, host)

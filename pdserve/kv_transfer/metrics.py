@@ -1,0 +1,30 @@
+"""KV transfer metrics (names fixed in DESIGN.md), labelled by engine id."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 30.0)
+_DESCS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+
+class TransferMetrics:
+    def __init__(self, registry: CollectorRegistry, engine_id: str) -> None:
+        def labelled(kind, name: str, doc: str, **kw):
+            return kind(name, doc, ["engine_id"], registry=registry, **kw).labels(engine_id)
+
+        self.transfers = labelled(Counter, "pdserve_kv_transfers", "KV pulls completed")
+        self.bytes = labelled(Counter, "pdserve_kv_transfer_bytes", "KV bytes pulled")
+        self.seconds = labelled(Histogram, "pdserve_kv_transfer_seconds",
+                                "Time of one KV pull, from posting the READ to completion",
+                                buckets=_SECONDS)
+        self.descriptors = labelled(Histogram, "pdserve_kv_transfer_descriptors",
+                                    "NIXL descriptors per pull", buckets=_DESCS)
+        self.failures = labelled(Counter, "pdserve_kv_transfer_failures",
+                                 "KV pulls or handshakes that failed")
+        self.lease_expired = labelled(Counter, "pdserve_kv_lease_expired",
+                                      "Held prefill blocks freed because no decode came")
+        self.blocks_held = labelled(Gauge, "pdserve_kv_blocks_held_for_remote",
+                                    "Blocks a prefill holds for decodes to read")
+        self.recomputed = labelled(Counter, "pdserve_kv_transfer_recomputed",
+                                   "Requests whose prompt was recomputed instead of pulled")

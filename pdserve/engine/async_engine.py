@@ -67,15 +67,17 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped:
             outputs = self._drain_inbox()
+            computed = False
             if self.engine.has_work() or self._connector_busy():
                 try:
                     outputs += self.engine.step()
+                    computed = self.engine.last_step_computed
                 except Exception:
                     outputs += self._fail_all(traceback.format_exc())
-            elif not outputs:
+            self._deliver(outputs)
+            if not computed and not outputs:  # nothing ran: sleep until work or a poll is due
                 self._wake.wait(self._idle_timeout())
                 self._wake.clear()
-            self._deliver(outputs)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:

@@ -63,6 +63,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.connector = None
+        self.last_step_computed = False  # did the last step run the model?
         if kv_config is not None:
             from pdserve.kv_transfer.factory import make_connector
             self.connector = make_connector(kv_config, self, registry, side_channel)
@@ -107,6 +108,7 @@ class LLMEngine:
             outputs += self.connector.start_load(sched.to_load)
         if sched.items:
             outputs += self._run(sched.items)
+        self.last_step_computed = bool(sched.items)
         self._update_gauges()
         return outputs
 

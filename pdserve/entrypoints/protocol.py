@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.engine.request import SamplingParams

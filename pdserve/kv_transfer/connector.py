@@ -150,7 +150,7 @@ class PDConnector:
 
     def busy(self) -> bool:
         """Work only polling can advance (the engine loop then polls often)."""
-        return bool(self.pulls or self.connecting)
+        return bool(self.pulls or self.connecting or self.leases.leases)
 
     def poll_interval(self) -> float:
         return 0.001 if self.pulls else 0.01 if self.leases.leases else 0.05

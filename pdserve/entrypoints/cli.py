@@ -12,10 +12,12 @@ from pdserve.config import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from pdserve.bench import cli as bench
     from pdserve.entrypoints import proxy, serve, up
     serve.add_parser(sub)
     proxy.add_parser(sub)
     up.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", stream=sys.stderr)

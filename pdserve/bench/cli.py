@@ -1,0 +1,17 @@
+"""`pdserve bench NAME ...`: dispatch to a benchmark module's main()."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {
+    "offline": "engine throughput vs HF transformers (nano-vllm style)",
+    "transfer": "KV pull rate over NIXL vs memcpy",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("args", nargs="...", help="the benchmark's own flags (--help for them)")
+    p.set_defaults(run=lambda a: importlib.import_module(f"pdserve.bench.{a.name}").main(a.args))

@@ -63,11 +63,12 @@ def start_server(args: list[str], url: str | None = None, timeout: float = 180,
     """Run `pdserve ARGS` in its own process group; `url` defaults to --port's."""
     if url is None:
         url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
-    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.entrypoints.cli", *args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    server = Server(proc, url, log.name)
+    fd, log_path = tempfile.mkstemp(prefix="pdserve-", suffix=".log")
+    with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.entrypoints.cli", *args],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    server = Server(proc, url, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,0 +1,207 @@
+"""1P1D through `pdserve up` (real processes, real NIXL) against a monolithic server:
+token-identical greedy output, the KV really moved, nothing leaked."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.utils import free_port, metric, start_server, wait_for_metric
+
+MODEL = "SmolLM2-135M-Instruct"
+LONG = "The history of the city is long and full of surprises. " * 90  # > 1000 tokens
+COMPLETIONS = [
+    "Hi",  # shorter than one block
+    [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2060, 28, 4215, 30, 378, 3458, 282],  # 16
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "List three colours and explain why the sky looks blue during the day. " * 6,
+    LONG,
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a large animal."}],
+    [{"role": "user", "content": "Write a haiku about the sea. " * 12}],
+    [{"role": "user", "content": "Summarise: " + LONG[:2000]}],
+]
+
+
+def _up(dtype: str):
+    port, base, side = free_port(), free_port(count=2), free_port(count=2)
+    return start_server(["up", "--dtype", dtype, "--kv-cache-memory", "0.25",
+                         "--port", str(port), "--base-port", str(base),
+                         "--side-channel-base-port", str(side)],
+                        url=f"http://127.0.0.1:{port}", timeout=240,
+                        ready=lambda s: _up_ready(s, base)), base
+
+
+def _up_ready(server, base: int) -> bool:
+    return all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=1).status_code == 200
+               for p in (base, base + 1))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def setup(request):
+    dtype = request.param
+    mono = start_server(["serve", "--dtype", dtype, "--kv-cache-memory", "0.25",
+                         "--port", str(free_port())])
+    up, base = _up(dtype)
+    yield dtype, mono, up, f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    up.stop()
+    mono.stop()
+
+
+def _complete(url: str, prompt, stream: bool = False, **kw) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            "logprobs": 0, "stream": stream, **kw}
+    return _post(url + "/v1/completions", body, stream)
+
+
+def _chat(url: str, messages, stream: bool = False, **kw) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0,
+            "logprobs": True, "stream": stream, **kw}
+    return _post(url + "/v1/chat/completions", body, stream)
+
+
+def _post(url: str, body: dict, stream: bool) -> dict:
+    """Text, per-token strings and finish reason, from a plain or streamed answer."""
+    if not stream:
+        r = httpx.post(url, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        text = c.get("text", c.get("message", {}).get("content"))
+        return {"text": text, "tokens": _tokens(c["logprobs"]), "finish": c["finish_reason"]}
+    out = {"text": "", "tokens": [], "finish": None}
+    with httpx.stream("POST", url, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                out["text"] += c.get("text", c.get("delta", {}).get("content") or "")
+                out["tokens"] += _tokens(c.get("logprobs"))
+                out["finish"] = c["finish_reason"] or out["finish"]
+    return out
+
+
+def _tokens(logprobs) -> list[str]:
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return [t["token"] for t in logprobs["content"]]
+    return logprobs["tokens"]
+
+
+def _cases():
+    return [("completion", p) for p in COMPLETIONS] + [("chat", m) for m in CHATS]
+
+
+def _run(url: str, kind: str, prompt, stream: bool = False) -> dict:
+    return (_complete if kind == "completion" else _chat)(url, prompt, stream)
+
+
+def test_one_at_a_time_identical_to_monolithic(setup):
+    dtype, mono, up, prefill, decode = setup
+    bytes_before = metric(decode, "pdserve_kv_transfer_bytes_total")
+    computed_before = metric(decode, "pdserve_prompt_tokens_computed_total")
+    for kind, prompt in _cases():
+        want = _run(mono.url, kind, prompt)
+        for stream in (False, True):
+            got = _run(up.url, kind, prompt, stream)
+            assert got["tokens"] == want["tokens"], (dtype, kind, stream, prompt)
+            assert got["text"] == want["text"] and got["finish"] == want["finish"]
+    # The decode ran none of the prompts: every prompt token's KV came over NIXL.
+    assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed_before
+    assert metric(decode, "pdserve_kv_transfer_bytes_total") > bytes_before
+    _assert_pools_whole(prefill, decode)
+
+
+def test_transfer_bytes_match_blocks(setup):
+    dtype, mono, up, prefill, decode = setup
+    info = httpx.get(prefill + "/v1/kv_transfer/info").json()["ranks"][0]
+    assert info["engine_id"] and info["side_channel_port"] > 0
+    block_bytes = 30 * 2 * 16 * 3 * 64 * (4 if dtype == "float32" else 2)
+    before = metric(decode, "pdserve_kv_transfer_bytes_total")
+    n = 0
+    for prompt in (COMPLETIONS[1], "x" * 200):
+        r = httpx.post(up.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
+        n += -(-r.json()["usage"]["prompt_tokens"] // 16)
+    assert metric(decode, "pdserve_kv_transfer_bytes_total") - before == n * block_bytes
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+def test_concurrent_identical_to_monolithic(setup):
+    dtype, mono, up, prefill, decode = setup
+    cases = [(k, p, i % 2 == 1) for i, (k, p) in enumerate(_cases())]
+    want = [_run(mono.url, k, p) for k, p, _ in cases]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(lambda c: _run(up.url, *c), cases))
+    for w, g in zip(want, got, strict=True):
+        assert g["tokens"] == w["tokens"]
+    _assert_pools_whole(prefill, decode)
+
+
+def test_edge_cases_answer_and_free(setup):
+    dtype, mono, up, prefill, decode = setup
+    # max_tokens=1: the prefill's token is the whole answer.
+    one = _complete(up.url, "The capital of France is", max_tokens=1)
+    assert one == _complete(mono.url, "The capital of France is", max_tokens=1)
+    # The first token completes a stop string: decode answers at once, nothing leaks.
+    stop = _complete(up.url, "The capital of France is", stop=[" Par"])
+    assert stop["text"] == "" and stop["finish"] == "stop"
+    # A seeded sampled request is reproducible through P/D.
+    kw = {"temperature": 0.9, "seed": 1234, "logprobs": None}
+    assert _complete(up.url, "Tell me a story", **kw)["text"] == \
+        _complete(mono.url, "Tell me a story", **kw)["text"]
+    _assert_pools_whole(prefill, decode)
+
+
+def test_bad_kv_transfer_params_are_refused(setup):
+    dtype, mono, up, prefill, decode = setup
+    base = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [0],
+            "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "r"}
+    for bad, word in [({"remote_host": "10.1.2.3"}, "not allowed"),
+                      ({"remote_block_ids": [0, 1, 2]}, "blocks"),
+                      ({"remote_block_ids": [-1]}, "non-negative"),
+                      ({"remote_port": "x"}, "remote_port")]:
+        r = httpx.post(decode + "/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 2,
+            "kv_transfer_params": {**base, **bad}}, timeout=30)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    # vLLM's proxy sends nulls to the prefill: "not given", never a 400.
+    r = httpx.post(prefill + "/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True, "remote_engine_id": None, "remote_block_ids": None,
+            "remote_host": None, "remote_port": None}}, timeout=30)
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["do_remote_prefill"]
+    _assert_pools_whole(decode)
+
+
+def test_lease_expires_when_no_decode_comes(tmp_path):
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"kv_lease_duration": 1.5}}
+    server = start_server(["serve", "--dtype", "float32", "--kv-cache-memory", "0.1",
+                           "--port", str(free_port()), "--kv-transfer-config", json.dumps(kv),
+                           "--kv-side-channel-port", str(free_port())])
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "A prompt whose decode never comes " * 4,
+            "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
+        held = len(r.json()["kv_transfer_params"]["remote_block_ids"])
+        assert metric(server.url, "pdserve_kv_blocks_held_for_remote") == held > 0
+        wait_for_metric(server.url, "pdserve_kv_lease_expired_total", 1, timeout=10)
+        _assert_pools_whole(server.url)
+    finally:
+        server.stop()
+
+
+def _assert_pools_whole(*urls: str) -> None:
+    for url in urls:
+        total = metric(url, "pdserve_kv_blocks_total")
+        wait_for_metric(url, "pdserve_kv_blocks_free", total, timeout=10)
+        assert metric(url, "pdserve_kv_blocks_held_for_remote") == 0

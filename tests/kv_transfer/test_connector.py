@@ -1,0 +1,270 @@
+"""Scheduler-side bookkeeping of the P/D connector over a fake transport (the real NIXL
+path is covered end to end in tests/e2e/test_pd.py)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.request import Request, RequestOutput, SamplingParams, Status
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv_transfer.base import Peer, Transport
+from pdserve.kv_transfer.connector import PDConnector
+from pdserve.kv_transfer.metrics import TransferMetrics
+
+
+class FakeTransport(Transport):
+    def __init__(self) -> None:
+        self.reads: list[SimpleNamespace] = []
+        self.sent: list[bytes] = []
+        self.inbox: list[bytes] = []
+        self.engine_id = "prefill-a"
+        self.refuse: Exception | None = None
+
+    def connect(self, host, port):
+        if self.refuse:
+            raise self.refuse
+        return Peer(host, port, self.engine_id, "agent", 100, {})
+
+    def forget(self, peer):
+        pass
+
+    def read(self, peer, local_ids, remote_ids, notif):
+        h = SimpleNamespace(local=local_ids, remote=remote_ids, notif=notif, state="PROC")
+        self.reads.append(h)
+        return h
+
+    def poll(self, handle):
+        return handle.state
+
+    def handle_stats(self, handle):
+        return len(handle.local) * 1000, 1
+
+    def notify(self, peer, msg):
+        self.sent.append(msg)
+
+    def notifications(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def info(self):
+        return {"engine_id": "me", "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
+
+    def close(self):
+        pass
+
+
+class FakeEngine:
+    """The parts of LLMEngine the connector uses."""
+
+    def __init__(self, num_blocks: int = 16) -> None:
+        self.config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.config, self.allocator)
+        self.tokenizer = SimpleNamespace(vocab_size=1000)
+        self.failed: list[tuple[str, str]] = []
+
+    def free_blocks(self, req):
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def fail_request(self, req, error):
+        self.failed.append((req.request_id, error))
+        req.status = Status.FINISHED
+        self.scheduler.remove(req)
+        self.free_blocks(req)
+        return RequestOutput(req.request_id, [], [], "", 0, 0, "error", error)
+
+
+def make(policy: str = "recompute", **extra) -> tuple[PDConnector, FakeEngine, FakeTransport]:
+    cfg = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                      "kv_load_failure_policy": policy,
+                                      "kv_connector_extra_config": extra})
+    engine, transport = FakeEngine(), FakeTransport()
+    conn = PDConnector(cfg, engine, transport, TransferMetrics(CollectorRegistry(), "e"),
+                       "127.0.0.1")
+    return conn, engine, transport
+
+
+def decode_request(rid: str = "d1", prompt_len: int = 10, **params) -> Request:
+    p = {"do_remote_prefill": True, "remote_engine_id": "prefill-a",
+         "remote_block_ids": [7, 8, 9], "remote_request_id": "p1",
+         "remote_host": "127.0.0.1", "remote_port": 5600, "first_token_id": 42,
+         "first_token_logprob": -0.5, **params}
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=5), p)
+
+
+def settle(conn: PDConnector) -> list[RequestOutput]:
+    """Let the handshake thread finish, then poll."""
+    for fut in list(conn.connecting.values()):
+        try:
+            fut.result(timeout=5)
+        except Exception:
+            pass
+    return conn.poll()
+
+
+def admit(conn: PDConnector, engine: FakeEngine, req: Request) -> None:
+    assert conn.on_add(req) == (42, -0.5)
+    req.token_ids.append(42)  # what the engine does with the first token
+    engine.scheduler.add(req)
+    sched = engine.scheduler.schedule()
+    assert sched.to_load == [req] and req.status is Status.WAITING_FOR_REMOTE_KV
+    conn.start_load(sched.to_load)
+
+
+def test_pull_lands_and_request_runs_from_the_first_token():
+    conn, engine, transport = make()
+    req = decode_request()
+    admit(conn, engine, req)
+    settle(conn)
+    (read,) = transport.reads
+    assert read.remote == [7, 8, 9] and read.local == req.block_ids[:3]
+    assert read.notif == b"done:p1"
+    read.state = "DONE"
+    conn.poll()
+    assert req.status is Status.RUNNING and req.num_computed_tokens == 10
+    assert conn.metrics.transfers._value.get() == 1 and not conn.pulls
+    (req2, n), = engine.scheduler.schedule().items
+    assert req2 is req and n == 1  # only the first token is computed here
+
+
+def test_without_first_token_the_last_prompt_token_is_recomputed():
+    conn, engine, transport = make()
+    req = decode_request(first_token_id=None)
+    assert conn.on_add(req) is None
+    engine.scheduler.add(req)
+    conn.start_load(engine.scheduler.schedule().to_load)
+    settle(conn)
+    transport.reads[0].state = "DONE"
+    conn.poll()
+    assert req.num_computed_tokens == 9
+
+
+def test_abort_during_read_keeps_blocks_until_the_read_ends():
+    conn, engine, transport = make()
+    req = decode_request()
+    admit(conn, engine, req)
+    settle(conn)
+    free_before = engine.allocator.num_free
+    req.status = Status.FINISHED
+    assert conn.on_finish(req, was_loading=True)  # blocks are still being written
+    assert engine.allocator.num_free == free_before
+    transport.reads[0].state = "DONE"
+    conn.poll()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_abort_before_handshake_still_tells_the_prefill():
+    conn, engine, transport = make()
+    req = decode_request()
+    conn.on_add(req)
+    req.status = Status.FINISHED
+    assert not conn.on_finish(req, was_loading=False)
+    settle(conn)
+    assert b"done:p1" in transport.sent and not conn.pulls
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_read_applies_policy(policy):
+    conn, engine, transport = make(policy)
+    req = decode_request()
+    admit(conn, engine, req)
+    settle(conn)
+    transport.reads[0].state = "ERR"
+    out = conn.poll()
+    assert conn.metrics.failures._value.get() == 1
+    if policy == "recompute":
+        assert req.status is Status.WAITING and not req.load_remote and out == []
+        assert engine.scheduler.waiting[0] is req
+    else:
+        assert out[0].error and "failed" in out[0].error
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_read_timeout_fails_the_pull():
+    conn, engine, transport = make("fail", transfer_timeout=0.05)
+    req = decode_request()
+    admit(conn, engine, req)
+    settle(conn)
+    time.sleep(0.1)
+    (out,) = conn.poll()
+    assert "timed out" in out.error
+
+
+def test_handshake_failure_and_engine_id_mismatch_fail_clearly():
+    conn, engine, transport = make("fail")
+    transport.refuse = RuntimeError("connection refused")
+    req = decode_request()
+    admit(conn, engine, req)
+    (out,) = settle(conn)
+    assert "handshake" in out.error and "connection refused" in out.error
+    conn2, engine2, transport2 = make("fail")
+    transport2.engine_id = "someone-else"
+    req2 = decode_request()
+    admit(conn2, engine2, req2)
+    (out2,) = settle(conn2)
+    assert "unknown remote_engine_id" in out2.error
+
+
+def test_prefill_holds_blocks_under_a_lease_until_the_reader_is_done():
+    conn, engine, transport = make(kv_lease_duration=0.2)
+    req = Request("p1", list(range(10)), SamplingParams(max_tokens=1),
+                  {"do_remote_decode": True})
+    req.block_ids = engine.allocator.allocate(3)
+    req.token_ids.append(5)
+    req.output_logprobs.append(-1.0)
+    req.finish_reason = "length"
+    assert conn.on_finish(req, was_loading=False)
+    p = req.response_kv_params
+    assert p["do_remote_prefill"] and p["remote_block_ids"] == req.block_ids
+    assert p["first_token_id"] == 5 and p["remote_request_id"] == "p1"
+    assert p["remote_port"] == 5600 and p["tp_size"] == 1
+    transport.inbox.append(b"renew:p1")
+    conn.poll()
+    assert engine.allocator.num_free == 13
+    transport.inbox.append(b"done:p1")
+    conn.poll()
+    assert engine.allocator.num_free == 16 and conn.metrics.lease_expired._value.get() == 0
+
+
+def test_unrenewed_lease_expires_and_is_counted():
+    conn, engine, transport = make(kv_lease_duration=0.05)
+    req = Request("p1", list(range(4)), SamplingParams(max_tokens=1), {"do_remote_decode": True})
+    req.block_ids = engine.allocator.allocate(1)
+    req.token_ids.append(5)
+    req.output_logprobs.append(-1.0)
+    req.finish_reason = "length"
+    conn.on_finish(req, was_loading=False)
+    time.sleep(0.1)
+    conn.poll()
+    assert engine.allocator.num_free == 16 and conn.metrics.lease_expired._value.get() == 1
+
+
+def test_validate_params():
+    conn, _, _ = make()
+    good = decode_request().kv_transfer_params
+    conn.validate_params(good, 10)
+    conn.validate_params({"do_remote_prefill": True}, 10)  # unusable: recomputed, not refused
+    for bad, word in [({"remote_host": "192.168.0.1"}, "not allowed"),
+                      ({"remote_block_ids": [1]}, "fills 3"),
+                      ({"remote_block_ids": [1, -2, 3]}, "non-negative"),
+                      ({"remote_port": 70000}, "remote_port"),
+                      ({"first_token_id": 10**6}, "first_token_id"),
+                      ({"do_remote_decode": "yes"}, "boolean")]:
+        with pytest.raises(ValueError, match=word):
+            conn.validate_params({**good, **bad}, 10)
+
+
+def test_short_prompts_are_recomputed_and_the_prefill_released():
+    conn, engine, transport = make(min_transfer_tokens=64)
+    req = decode_request()
+    conn.on_add(req)
+    assert not req.load_remote
+    settle(conn)
+    assert b"done:p1" in transport.sent

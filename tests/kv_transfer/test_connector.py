@@ -4,6 +4,7 @@ path is covered end to end in tests/e2e/test_pd.py)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait
 from types import SimpleNamespace
 
 import pytest
@@ -101,11 +102,7 @@ def decode_request(rid: str = "d1", prompt_len: int = 10, **params) -> Request:
 
 def settle(conn: PDConnector) -> list[RequestOutput]:
     """Let the handshake thread finish, then poll."""
-    for fut in list(conn.connecting.values()):
-        try:
-            fut.result(timeout=5)
-        except Exception:
-            pass
+    wait(list(conn.connecting.values()), timeout=5)
     return conn.poll()
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.metrics import EngineMetrics
@@ -22,6 +22,7 @@ from pdserve.model import loader
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import LlamaModel, ModelConfig
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.platforms import get_platform
 
 log = logging.getLogger("pdserve.engine")
 
@@ -36,7 +37,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device("cpu")
+        try:
+            self.platform = get_platform(config.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.device = self.platform.device()
         folder = loader.resolve(config.model)
         try:
             self.model_config = ModelConfig.from_hf(loader.load_config(folder))

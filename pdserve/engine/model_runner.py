@@ -21,10 +21,11 @@ class ModelRunner:
         """Compute the scheduled tokens; sample for requests whose known tokens are all
         computed now. Returns (sampled requests, their tokens, their logprobs)."""
         batch, sampled = self.prepare(items)
-        logits = self.model.forward(batch, self.cache)
+        logits = self.model.forward(batch.to(self.cache.tensor.device), self.cache)
         if not sampled:
             return [], [], []
-        tokens, logprobs = self.sampler.sample(logits, sampled)
+        # Sampling runs on the host: per-request seeded generators are CPU generators.
+        tokens, logprobs = self.sampler.sample(logits.cpu(), sampled)
         return sampled, tokens, logprobs
 
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[Batch, list[Request]]:

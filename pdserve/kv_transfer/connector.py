@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request, RequestOutput, Status
-from pdserve.kv_transfer.base import Peer, Transport
+from pdserve.kv_transfer.base import IncompatibleKV, Peer, Transport
+from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
 
@@ -45,12 +46,14 @@ class Pull:
 
 class PDConnector:
     def __init__(self, config: KVTransferConfig, engine: LLMEngine, transport: Transport,
-                 metrics: TransferMetrics, side_channel_host: str) -> None:
+                 metrics: TransferMetrics, side_channel_host: str,
+                 staging: HostBuffer | None = None) -> None:
         self.config = config
         self.x = config.kv_connector_extra_config
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
+        self.staging = staging  # host buffer NIXL reads from, when the KV lives elsewhere
         self.leases = LeaseTable(self.x.kv_lease_duration)
         self.pulls: dict[str, Pull] = {}
         self.peers: dict[tuple[str, int], Peer] = {}
@@ -185,6 +188,8 @@ class PDConnector:
 
     def _hold_for_decode(self, req: Request) -> None:
         info = self.transport.info()
+        if self.staging is not None:  # decodes read the host copy
+            self.staging.save(req.block_ids)
         self.leases.hold(req.request_id, list(req.block_ids))
         req.response_kv_params = {
             "do_remote_prefill": True, "do_remote_decode": False,
@@ -236,8 +241,9 @@ class PDConnector:
             try:
                 peer = fut.result()
             except Exception as e:  # handshake refused, timed out, or incompatible
+                # A misconfigured pair is an error to report, whatever the policy.
                 self._fail_pulls(key, f"KV handshake with {key[0]}:{key[1]} failed: {e}",
-                                 outputs)
+                                 outputs, force=isinstance(e, IncompatibleKV))
                 continue
             self.peers[key] = peer
             for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:
@@ -279,16 +285,20 @@ class PDConnector:
         del self.pulls[pull.req.request_id]
         if pull.abandoned:  # the request ended while its blocks were being written
             self.engine.free_blocks(pull.req)
+            return
+        if self.staging is not None:
+            self.staging.load(pull.req.block_ids[:len(pull.block_ids)])
         else:
             self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not
                                          pull.has_first_token)
 
-    def _fail_pulls(self, key: tuple[str, int], why: str,
-                    outputs: list[RequestOutput]) -> None:
+    def _fail_pulls(self, key: tuple[str, int], why: str, outputs: list[RequestOutput],
+                    force: bool = False) -> None:
         for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:
-            self._fail(pull, why, outputs)
+            self._fail(pull, why, outputs, force)
 
-    def _fail(self, pull: Pull, why: str, outputs: list[RequestOutput]) -> None:
+    def _fail(self, pull: Pull, why: str, outputs: list[RequestOutput],
+              force: bool = False) -> None:
         """Apply kv_load_failure_policy to a pull that cannot complete."""
         self.pulls.pop(pull.req.request_id, None)
         if pull.peer is not None:
@@ -300,7 +310,7 @@ class PDConnector:
             return
         self.metrics.failures.inc()
         log.warning("request %s: %s", req.request_id, why)
-        if self.config.kv_load_failure_policy == "fail":
+        if force or self.config.kv_load_failure_policy == "fail":
             outputs.append(self.engine.fail_request(req, why))
             return
         self.metrics.recomputed.inc()

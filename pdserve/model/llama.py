@@ -84,6 +84,15 @@ class Batch:
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, n * block_size]
     chunks: list[Chunk] = field(default_factory=list)
 
+    def to(self, device: torch.device) -> Batch:
+        if device.type == "cpu":
+            return self
+        move = {k: v.to(device, non_blocking=True) for k in self.__slots__
+                if isinstance(v := getattr(self, k), torch.Tensor)}
+        chunks = [Chunk(c.start, c.end, c.pos, c.table.to(device)) for c in self.chunks]
+        return Batch(**{**{k: getattr(self, k) for k in self.__slots__}, **move,
+                        "chunks": chunks})
+
 
 @dataclass(slots=True)
 class Layer:
@@ -166,8 +175,8 @@ class LlamaModel:
                 n = ch.end - ch.start
                 kc, vc = cache.gather(layer, ch.table)
                 kc, vc = kc[:, :, :ch.pos + n], vc[:, :, :ch.pos + n]
-                mask = (torch.arange(ch.pos + n).unsqueeze(0)
-                        <= torch.arange(ch.pos, ch.pos + n).unsqueeze(1))
+                keys = torch.arange(ch.pos + n, device=q.device)
+                mask = keys.unsqueeze(0) <= keys[ch.pos:].unsqueeze(1)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
         return out.flatten(1)

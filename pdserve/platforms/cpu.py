@@ -1,9 +1,22 @@
-"""CPU platform facts."""
+"""CPU: KV in DRAM, registered with NIXL as is."""
 
 from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+
+from pdserve.platforms.base import Platform
+
+
+class CpuPlatform(Platform):
+    def available(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None  # CPU copies are synchronous
+
+
+CPU = CpuPlatform("cpu", ("cpu",), "DRAM")
 
 
 @cache

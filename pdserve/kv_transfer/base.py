@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 XferState = Literal["DONE", "PROC", "ERR"]
+# Notifications a decode sends a prefill, followed by the prefill's request id.
+DONE, RENEW = b"done:", b"renew:"
 
 
 class IncompatibleKV(RuntimeError):
@@ -54,6 +56,10 @@ class Transport(ABC):
 
     @abstractmethod
     def notifications(self) -> list[bytes]: ...
+
+    @abstractmethod
+    def release(self, host: str, port: int, request_id: str) -> None:
+        """Free a prefill's blocks without a peer (blocking; off the engine thread)."""
 
     @abstractmethod
     def info(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request, RequestOutput, Status
-from pdserve.kv_transfer.base import IncompatibleKV, Peer, Transport
+from pdserve.kv_transfer.base import DONE, RENEW, IncompatibleKV, Peer, Transport
 from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.kv_transfer")
 
-DONE, RENEW = b"done:", b"renew:"
 
 
 @dataclass(slots=True)
@@ -61,6 +60,7 @@ class PDConnector:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
         self._allowed = {side_channel_host, *self.x.allowed_remote_hosts}
         self._last_log = 0.0
+        self._last_sent = 0.0
 
     # -- validation (HTTP thread) ---------------------------------------------------------
 
@@ -288,8 +288,7 @@ class PDConnector:
             return
         if self.staging is not None:
             self.staging.load(pull.req.block_ids[:len(pull.block_ids)])
-        else:
-            self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not
+        self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not
                                          pull.has_first_token)
 
     def _fail_pulls(self, key: tuple[str, int], why: str, outputs: list[RequestOutput],
@@ -303,6 +302,8 @@ class PDConnector:
         self.pulls.pop(pull.req.request_id, None)
         if pull.peer is not None:
             self.transport.notify(pull.peer, DONE + pull.request_id.encode())
+        else:  # no NIXL peer (refused handshake): give the blocks back over the side channel
+            self._pool.submit(self._release, pull)
         req = pull.req
         if pull.abandoned:
             if req.finished and req.block_ids:  # blocks were kept for the failed READ
@@ -318,12 +319,20 @@ class PDConnector:
             self.engine.scheduler.loaded(req, ok=False)
         req.load_remote = False
 
+    def _release(self, pull: Pull) -> None:
+        try:
+            self.transport.release(pull.host, pull.port, pull.request_id)
+        except Exception as e:  # best effort: the prefill's lease frees them anyway
+            log.info("could not release %s on %s:%d: %s", pull.request_id, pull.host,
+                     pull.port, e)
+
     def _log_stats(self, now: float) -> None:
         if now - self._last_log < 10:
             return
         self._last_log = now
         sent = self.metrics.transfers._value.get()
-        if sent or self.leases.leases:
+        if sent != self._last_sent or self.leases.leases:  # only while transfers happen
+            self._last_sent = sent
             log.info("KV transfer: %d pulls, %.1f MB, %d failures, %d blocks held, "
                      "%d leases expired", sent, self.metrics.bytes._value.get() / 1e6,
                      self.metrics.failures._value.get(), self.leases.num_blocks,

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.base import IncompatibleKV, Peer, Transport, XferState
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.base import DONE, IncompatibleKV, Peer, Transport, XferState
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Region, TransferError, Xfer
 from pdserve.kv_transfer.side_channel import SideChannelServer, handshake
 
@@ -30,7 +31,9 @@ class NixlTransport(Transport):
         self.agent.register(self.region)
         self.host, self.port = host, port
         self.handshake_timeout, self.secret = handshake_timeout, secret
-        self.server = SideChannelServer(host, port, self._answer, secret) if serve else None
+        self._released: list[bytes] = []  # appended by the side-channel thread
+        self.server = SideChannelServer(host, port, self._answer, self._on_release,
+                                        secret) if serve else None
 
     def info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "side_channel_host": self.host,
@@ -69,8 +72,15 @@ class NixlTransport(Transport):
         with suppress(TransferError):  # the peer is gone; its lease no longer matters
             self.agent.notify(peer.agent, msg)
 
+    def release(self, host: str, port: int, request_id: str) -> None:
+        side_channel.release(host, port, request_id, self.handshake_timeout, self.secret)
+
+    def _on_release(self, request_id: str) -> None:
+        self._released.append(DONE + request_id.encode())
+
     def notifications(self) -> list[bytes]:
-        return [msg for _, msg in self.agent.notifications()]
+        released, self._released = self._released, []
+        return released + [msg for _, msg in self.agent.notifications()]
 
     def close(self) -> None:
         if self.server is not None:

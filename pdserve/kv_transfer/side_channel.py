@@ -27,8 +27,8 @@ class HandshakeError(RuntimeError):
 
 class SideChannelServer:
     def __init__(self, host: str, port: int, answer: Callable[[], dict[str, Any]],
-                 secret: str | None = None) -> None:
-        self._answer, self._secret = answer, secret
+                 release: Callable[[str], None], secret: str | None = None) -> None:
+        self._answer, self._release, self._secret = answer, release, secret
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -67,11 +67,16 @@ class SideChannelServer:
             msg = msgspec.msgpack.decode(raw)
         except msgspec.DecodeError:
             return {"error": "malformed handshake message"}
-        if not isinstance(msg, dict) or msg.get("type") != "handshake":
-            return {"error": "expected a handshake request"}
+        if not isinstance(msg, dict) or msg.get("type") not in ("handshake", "release"):
+            return {"error": "expected a handshake or release request"}
         if self._secret is not None and not hmac.compare_digest(
                 str(msg.get("secret", "")), self._secret):
-            return {"error": "handshake refused: wrong or missing side_channel_secret"}
+            return {"error": "refused: wrong or missing side_channel_secret"}
+        if msg["type"] == "release":  # a decode that cannot read gives the blocks back
+            if not isinstance(rid := msg.get("request_id"), str):
+                return {"error": "release needs a request_id string"}
+            self._release(rid)
+            return {"ok": True}
         try:
             return {"ok": self._answer()}
         except Exception as e:  # a bug here must not kill the listener
@@ -81,22 +86,32 @@ class SideChannelServer:
 
 def handshake(host: str, port: int, timeout_s: float, secret: str | None) -> dict[str, Any]:
     """Ask a prefill rank for its transfer info; HandshakeError with a reason on failure."""
+    return _ask(host, port, {"type": "handshake"}, timeout_s, secret)
+
+
+def release(host: str, port: int, request_id: str, timeout_s: float,
+            secret: str | None) -> None:
+    """Tell a prefill rank to free a request's blocks without reading them."""
+    _ask(host, port, {"type": "release", "request_id": request_id}, timeout_s, secret)
+
+
+def _ask(host: str, port: int, msg: dict[str, Any], timeout_s: float,
+         secret: str | None) -> Any:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 16 * 2**20)
     try:
         sock.connect(f"tcp://{_bracket(host)}:{port}")
-        sock.send_multipart([b"", msgspec.msgpack.encode({"type": "handshake",
-                                                          "secret": secret or ""})])
+        sock.send_multipart([b"", msgspec.msgpack.encode({**msg, "secret": secret or ""})])
         if not sock.poll(int(timeout_s * 1000)):
-            raise HandshakeError(f"no handshake answer from {host}:{port} within {timeout_s}s")
+            raise HandshakeError(f"no answer from {host}:{port} within {timeout_s}s")
         reply = msgspec.msgpack.decode(sock.recv_multipart()[-1])
     except (zmq.ZMQError, msgspec.DecodeError) as e:
-        raise HandshakeError(f"handshake with {host}:{port} failed: {e}") from None
+        raise HandshakeError(f"side channel {host}:{port} failed: {e}") from None
     finally:
         sock.close()
     if not isinstance(reply, dict) or "ok" not in reply:
-        raise HandshakeError(f"{host}:{port} refused the handshake: "
+        raise HandshakeError(f"{host}:{port} refused: "
                              f"{reply.get('error') if isinstance(reply, dict) else reply}")
     return reply["ok"]
 

@@ -11,6 +11,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve.model.loader import ModelLoadError
+
 
 @dataclass(slots=True)
 class Tokenizer:
@@ -21,7 +23,11 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path, eos_ids: list[int]) -> Tokenizer:
-        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        file = folder / "tokenizer.json"
+        try:
+            backend = HFTokenizer.from_file(str(file))
+        except Exception as e:  # `tokenizers` raises a bare Exception; the user needs one line
+            raise ModelLoadError(f"cannot read tokenizer {file}: {e}") from None
         cfg_file = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token")}

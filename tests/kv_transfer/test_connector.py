@@ -8,6 +8,7 @@ from concurrent.futures import wait
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import EngineConfig, KVTransferConfig
@@ -16,7 +17,9 @@ from pdserve.engine.request import Request, RequestOutput, SamplingParams, Statu
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.base import Peer, Transport
 from pdserve.kv_transfer.connector import PDConnector
+from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.platforms.cpu import CPU
 
 
 class FakeTransport(Transport):
@@ -26,6 +29,7 @@ class FakeTransport(Transport):
         self.inbox: list[bytes] = []
         self.engine_id = "prefill-a"
         self.refuse: Exception | None = None
+        self.released: list[str] = []
 
     def connect(self, host, port):
         if self.refuse:
@@ -52,6 +56,9 @@ class FakeTransport(Transport):
     def notifications(self):
         out, self.inbox = self.inbox, []
         return out
+
+    def release(self, host, port, request_id):
+        self.released.append(request_id)
 
     def info(self):
         return {"engine_id": "me", "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
@@ -82,13 +89,14 @@ class FakeEngine:
         return RequestOutput(req.request_id, [], [], "", 0, 0, "error", error)
 
 
-def make(policy: str = "recompute", **extra) -> tuple[PDConnector, FakeEngine, FakeTransport]:
+def make(policy: str = "recompute", staging: HostBuffer | None = None,
+         **extra) -> tuple[PDConnector, FakeEngine, FakeTransport]:
     cfg = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                       "kv_load_failure_policy": policy,
                                       "kv_connector_extra_config": extra})
     engine, transport = FakeEngine(), FakeTransport()
     conn = PDConnector(cfg, engine, transport, TransferMetrics(CollectorRegistry(), "e"),
-                       "127.0.0.1")
+                       "127.0.0.1", staging)
     return conn, engine, transport
 
 
@@ -129,6 +137,35 @@ def test_pull_lands_and_request_runs_from_the_first_token():
     assert conn.metrics.transfers._value.get() == 1 and not conn.pulls
     (req2, n), = engine.scheduler.schedule().items
     assert req2 is req and n == 1  # only the first token is computed here
+
+
+def test_host_buffer_is_staged_in_before_the_request_runs():
+    cache = torch.zeros(16, 2)
+    staging = HostBuffer(CPU, cache, torch.arange(32.0).reshape(16, 2))
+    conn, engine, transport = make(staging=staging)
+    req = decode_request()
+    admit(conn, engine, req)
+    settle(conn)
+    transport.reads[0].state = "DONE"
+    conn.poll()
+    ids = req.block_ids[:3]
+    assert torch.equal(cache[ids], staging.host[ids]) and req.status is Status.RUNNING
+    others = [i for i in range(16) if i not in ids]
+    assert not cache[others].any()
+
+
+def test_prefill_stages_out_before_announcing():
+    cache = torch.arange(32.0).reshape(16, 2)
+    staging = HostBuffer(CPU, cache, torch.zeros(16, 2))
+    conn, engine, _ = make(staging=staging)
+    req = Request("p1", list(range(10)), SamplingParams(max_tokens=1),
+                  {"do_remote_decode": True})
+    req.block_ids = engine.allocator.allocate(3)
+    req.token_ids.append(5)
+    req.output_logprobs.append(-1.0)
+    req.finish_reason = "length"
+    assert conn.on_finish(req, was_loading=False)
+    assert torch.equal(staging.host[req.block_ids], cache[req.block_ids])
 
 
 def test_without_first_token_the_last_prompt_token_is_recomputed():
@@ -201,6 +238,8 @@ def test_handshake_failure_and_engine_id_mismatch_fail_clearly():
     admit(conn, engine, req)
     (out,) = settle(conn)
     assert "handshake" in out.error and "connection refused" in out.error
+    conn._pool.shutdown(wait=True)
+    assert transport.released == ["p1"]  # the prefill still gets its blocks back
     conn2, engine2, transport2 = make("fail")
     transport2.engine_id = "someone-else"
     req2 = decode_request()

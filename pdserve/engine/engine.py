@@ -32,11 +32,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_config: KVTransferConfig | None = None,
                  registry: CollectorRegistry | None = None, engine_id: str = "",
-                 side_channel: tuple[str, int] = ("127.0.0.1", 5600)) -> None:
+                 side_channel: tuple[str, int] = ("127.0.0.1", 5600), dp_rank: int = 0) -> None:
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        self.dp_rank = dp_rank
         try:
             self.platform = get_platform(config.device)
         except ValueError as e:
@@ -73,6 +74,10 @@ class LLMEngine:
             from pdserve.kv_transfer.factory import make_connector
             self.connector = make_connector(kv_config, self, registry, side_channel)
         self._update_gauges()
+
+    def describe(self) -> str:
+        return (f"{self.engine_id} on {self.device}: {self.allocator.num_blocks} KV blocks of "
+                f"{self.config.block_size} tokens")
 
     # -- requests -----------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput
 from pdserve.entrypoints.protocol import (
@@ -35,11 +35,10 @@ class HTTPError(Exception):
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: StreamingClient  # AsyncEngine, or DPEngine over engine-rank processes
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
-    registry: CollectorRegistry
     validate_kv_params: Callable[[dict[str, Any], int], None] | None = None
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
     api_key: str | None = None
@@ -58,7 +57,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -56,6 +56,8 @@ def add_parser(sub) -> None:
                    default=os.environ.get("PDSERVE_KV_SIDE_CHANNEL_HOST", "127.0.0.1"))
     p.add_argument("--kv-side-channel-port", type=int,
                    default=int(os.environ.get("PDSERVE_KV_SIDE_CHANNEL_PORT", "5600")))
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine ranks behind this server, each its own process")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this Bearer key on /v1/* (env PDSERVE_API_KEY)")
     p.set_defaults(run=run)
@@ -63,31 +65,68 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from prometheus_client import CollectorRegistry
 
-    from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.entrypoints.api_server import ServerState, build_app
-    from pdserve.model.loader import ModelLoadError, model_name
+    from pdserve.entrypoints.api_server import build_app
+    from pdserve.model.loader import ModelLoadError
 
     cfg = engine_config(args)
     kv = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config \
         else None
-    registry = CollectorRegistry()
+    if args.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be at least 1")
     try:
-        engine = LLMEngine(cfg, kv, registry,
-                           side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
-    except (ModelLoadError, ConfigError) as e:
+        state = _dp_state(args, cfg, kv) if args.data_parallel_size > 1 \
+            else _local_state(args, cfg, kv)
+    except ModelLoadError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    connector = engine.connector
-    state = ServerState(
-        AsyncEngine(engine), engine.tokenizer, model_name(cfg.model), cfg.max_model_len,
-        registry,
-        validate_kv_params=connector.validate_params if connector else None,
-        kv_info=connector.info if connector else None, api_key=args.api_key)
-    log.info("serving %s on %s (%s), %d KV blocks of %d tokens, at http://%s:%d",
-             model_name(cfg.model), engine.device, cfg.dtype, engine.allocator.num_blocks,
-             cfg.block_size, args.host, args.port)
-    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+    log.info("serving %s (%s; %s) at http://%s:%d", state.model_name, cfg.dtype,
+             state.engine.describe(), args.host, args.port)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+    finally:
+        state.engine.shutdown()
     return 0
+
+
+def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.entrypoints.api_server import ServerState
+    from pdserve.model.loader import model_name
+
+    registry = CollectorRegistry()
+    engine = LLMEngine(cfg, kv, registry,
+                       side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
+    c = engine.connector
+    return ServerState(AsyncEngine(engine, registry), engine.tokenizer, model_name(cfg.model),
+                       cfg.max_model_len, validate_kv_params=c.validate_params if c else None,
+                       kv_info=c.info if c else None, api_key=args.api_key)
+
+
+def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
+    from pdserve.engine.dp_engine import DPEngine
+    from pdserve.entrypoints.api_server import ServerState
+    from pdserve.kv_transfer.params import ParamsValidator
+    from pdserve.model import loader
+    from pdserve.model.llama import ModelConfig
+    from pdserve.model.tokenizer import Tokenizer
+
+    folder = loader.resolve(cfg.model)  # converts a GGUF once, before the ranks start
+    mcfg = ModelConfig.from_hf(loader.load_config(folder))
+    tokenizer = Tokenizer.from_folder(folder, list(mcfg.eos_token_ids))
+    if cfg.num_threads is None:  # the ranks share the cores
+        cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size)
+    side = (args.kv_side_channel_host, args.kv_side_channel_port)
+    dp = DPEngine(cfg, kv, args.data_parallel_size, side)
+    validate = None
+    if kv is not None:
+        x = kv.kv_connector_extra_config
+        validate = ParamsValidator(cfg.block_size, tokenizer.vocab_size,
+                                   frozenset({side[0], *x.allowed_remote_hosts}),
+                                   kv.is_consumer)
+    return ServerState(dp, tokenizer, loader.model_name(cfg.model), cfg.max_model_len,
+                       validate_kv_params=validate, kv_info=dp.kv_info if kv else None,
+                       api_key=args.api_key)

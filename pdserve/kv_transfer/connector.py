@@ -4,7 +4,6 @@ network I/O) run on a helper thread and are picked up by poll()."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +16,7 @@ from pdserve.kv_transfer.base import DONE, RENEW, IncompatibleKV, Peer, Transpor
 from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.params import ParamsValidator, complete
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -58,62 +58,18 @@ class PDConnector:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.connecting: dict[tuple[str, int], Future] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
-        self._allowed = {side_channel_host, *self.x.allowed_remote_hosts}
+        self.validate_params = ParamsValidator(
+            engine.config.block_size, engine.tokenizer.vocab_size,
+            frozenset({side_channel_host, *self.x.allowed_remote_hosts}), config.is_consumer)
         self._last_log = 0.0
         self._last_sent = 0.0
-
-    # -- validation (HTTP thread) ---------------------------------------------------------
-
-    def validate_params(self, p: dict[str, Any], prompt_len: int) -> None:
-        """Refuse kv_transfer_params that are malformed or point where we must not go."""
-        for key in ("do_remote_decode", "do_remote_prefill"):
-            if key in p and not isinstance(p[key], bool):
-                raise ValueError(f"{key} must be a boolean")
-        if not p.get("do_remote_prefill"):
-            return
-        if p.get("do_remote_decode"):
-            raise ValueError("do_remote_prefill and do_remote_decode are exclusive")
-        if not self.config.is_consumer:
-            raise ValueError("this server is a KV producer (kv_role kv_producer); it does "
-                             "not pull KV")
-        if not _complete(p):
-            return  # merely unusable: the prompt is recomputed here
-        host, port, ids = p["remote_host"], p["remote_port"], p["remote_block_ids"]
-        if not isinstance(host, str) or not self.host_allowed(host):
-            raise ValueError(f"remote_host {host!r} is not allowed (allowed: loopback, "
-                             f"{', '.join(sorted(self._allowed))}; see "
-                             "kv_connector_extra_config.allowed_remote_hosts)")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ValueError("remote_port must be an integer in 1..65535")
-        if not isinstance(ids, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
-            raise ValueError("remote_block_ids must be a list of non-negative integers")
-        need = -(-prompt_len // self.engine.config.block_size)
-        if len(ids) != need:
-            raise ValueError(f"remote_block_ids has {len(ids)} blocks; a {prompt_len}-token "
-                             f"prompt fills {need}")
-        if not isinstance(p["remote_engine_id"], str) or \
-                not isinstance(p.get("remote_request_id", ""), str):
-            raise ValueError("remote_engine_id and remote_request_id must be strings")
-        first = p.get("first_token_id")
-        if first is not None and (not isinstance(first, int) or isinstance(first, bool)
-                                  or not 0 <= first < self.engine.tokenizer.vocab_size):
-            raise ValueError("first_token_id must be a token id of this model")
-
-    def host_allowed(self, host: str) -> bool:
-        if host in self._allowed or host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
 
     # -- engine hooks (engine thread) -------------------------------------------------------
 
     def on_add(self, req: Request) -> tuple[int, float] | None:
         """Note a remote-prefilled request; returns the prefill's first token to emit now."""
         p = req.kv_transfer_params or {}
-        if not (p.get("do_remote_prefill") and self.config.is_consumer and _complete(p)):
+        if not (p.get("do_remote_prefill") and self.config.is_consumer and complete(p)):
             return None
         first = p.get("first_token_id")
         pull = Pull(req, p["remote_host"], p["remote_port"], p["remote_engine_id"],
@@ -178,7 +134,7 @@ class PDConnector:
         return outputs
 
     def info(self) -> list[dict[str, Any]]:
-        return [{**self.transport.info(), "dp_rank": 0, "tp_rank": 0}]
+        return [{**self.transport.info(), "dp_rank": self.engine.dp_rank, "tp_rank": 0}]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -338,7 +294,3 @@ class PDConnector:
                      self.metrics.failures._value.get(), self.leases.num_blocks,
                      self.metrics.lease_expired._value.get())
 
-
-def _complete(p: dict[str, Any]) -> bool:
-    return all(p.get(k) is not None for k in ("remote_host", "remote_port", "remote_block_ids",
-                                              "remote_engine_id"))

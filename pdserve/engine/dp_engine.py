@@ -1,0 +1,224 @@
+"""Data parallelism: N engine ranks, each its own process with its own KV cache, NIXL
+agent, engine id (`<id>_dp<rank>`) and side-channel port (base + rank), behind one API
+server that sends each request to the rank with the least outstanding work.
+
+Ranks talk to the server over local ZMQ (ipc) sockets, pickled messages: the server
+pushes ("add", Request) / ("abort", id) / ("metrics", n) / ("stop",) to each rank, and
+every rank pushes ("ready", rank, info, summary) / ("error", rank, msg) / ("out", outputs) /
+("metrics", n, families) back on one shared socket."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import pickle
+import tempfile
+import threading
+import time
+
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+from pdserve.engine.async_engine import StreamingClient
+from pdserve.engine.request import Request
+
+log = logging.getLogger("pdserve.dp")
+
+
+@dataclasses.dataclass(slots=True)
+class RankSpec:
+    rank: int
+    config: EngineConfig
+    kv: KVTransferConfig | None
+    side_channel: tuple[str, int]
+    inbox: str  # ipc address this rank pulls commands from
+    outbox: str  # ipc address all ranks push to
+
+
+def rank_engine_id(base: str, rank: int) -> str:
+    return f"{base}_dp{rank}"
+
+
+class DPEngine(StreamingClient):
+    def __init__(self, config: EngineConfig, kv: KVTransferConfig | None, size: int,
+                 side_channel: tuple[str, int], start_timeout: float = 300) -> None:
+        super().__init__()
+        self._dir = tempfile.mkdtemp(prefix="pdserve-dp-")
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(f"ipc://{self._dir}/out")
+        self._push: list[zmq.Socket] = []
+        self._send_lock = threading.Lock()
+        self.outstanding = [0] * size
+        self.info: list[dict] = [{}] * size
+        self.summaries = [""] * size
+        self._owner: dict[str, int] = {}
+        self._metrics: dict[int, tuple[asyncio.Future, list]] = {}
+        self._metrics_seq = 0
+        self._procs = [self._spawn(RankSpec(r, config, kv, side_channel,
+                                            f"ipc://{self._dir}/in{r}", f"ipc://{self._dir}/out"))
+                       for r in range(size)]
+        self._await_ready(start_timeout)
+        self._reader = threading.Thread(target=self._read, name="dp-reader", daemon=True)
+        self._reader.start()
+
+    def _spawn(self, spec: RankSpec) -> mp.Process:
+        push = self._ctx.socket(zmq.PUSH)
+        push.bind(spec.inbox)
+        self._push.append(push)
+        proc = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
+                                                name=f"engine-dp{spec.rank}", daemon=True)
+        proc.start()
+        return proc
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline, pending = time.monotonic() + timeout, set(range(len(self._procs)))
+        while pending:
+            if not self._pull.poll(500):
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.shutdown()
+                    raise ConfigError(f"engine rank {dead[0] if dead else min(pending)} "
+                                      "did not start (see its log above)")
+                continue
+            msg = pickle.loads(self._pull.recv())
+            if msg[0] == "error":
+                self.shutdown()
+                raise ConfigError(f"engine rank {msg[1]}: {msg[2]}")
+            _, rank, self.info[rank], self.summaries[rank] = msg
+            pending.discard(rank)
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        with self._send_lock:  # zmq sockets are not thread-safe
+            self._push[rank].send(pickle.dumps(msg))
+
+    def _add(self, req: Request) -> None:
+        rank = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
+        self._owner[req.request_id] = rank
+        self.outstanding[rank] += 1
+        self._send(rank, ("add", req))
+
+    def _abort(self, request_id: str) -> None:
+        if (rank := self._owner.get(request_id)) is not None:
+            self._send(rank, ("abort", request_id))
+
+    def _done(self, request_id: str) -> None:
+        if (rank := self._owner.pop(request_id, None)) is not None:
+            self.outstanding[rank] -= 1
+
+    async def metrics(self) -> bytes:
+        """Every rank's metrics, merged into one exposition (labels tell them apart)."""
+        loop = asyncio.get_running_loop()
+        self._metrics_seq += 1
+        seq, fut = self._metrics_seq, loop.create_future()
+        self._metrics[seq] = (fut, [])
+        for rank in range(len(self._procs)):
+            self._send(rank, ("metrics", seq))
+        try:
+            families = await asyncio.wait_for(fut, timeout=10)
+        finally:
+            self._metrics.pop(seq, None)
+        return generate_latest(_Families(_merge(families)))
+
+    def describe(self) -> str:
+        return "; ".join(self.summaries)
+
+    def kv_info(self) -> list[dict]:
+        return list(self.info)
+
+    def shutdown(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.is_alive():
+                self._send(rank, ("stop",))
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+    def _read(self) -> None:
+        while True:
+            msg = pickle.loads(self._pull.recv())
+            if msg[0] == "out":
+                self._dispatch(msg[1])
+            elif msg[0] == "metrics" and (entry := self._metrics.get(msg[1])) is not None:
+                fut, got = entry
+                got.append(msg[2])
+                if len(got) == len(self._procs):
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, got)
+
+
+def _resolve(fut: asyncio.Future, got: list) -> None:
+    if not fut.done():
+        fut.set_result([f for families in got for f in families])
+
+
+def _merge(families: list[Metric]) -> list[Metric]:
+    merged: dict[str, Metric] = {}
+    for fam in families:
+        into = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+        into.samples.extend(fam.samples)
+    return list(merged.values())
+
+
+@dataclasses.dataclass(slots=True)
+class _Families:
+    families: list[Metric]
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def run_rank(spec: RankSpec) -> None:
+    """Entry point of one engine-rank process."""
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.model.loader import ModelLoadError
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s dp{spec.rank} "
+                        "%(name)s: %(message)s")
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(spec.outbox)
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            out.send(pickle.dumps(msg))
+
+    registry = CollectorRegistry()
+    kv = spec.kv
+    engine_id = rank_engine_id(kv.engine_id if kv else "local", spec.rank)
+    if kv is not None:
+        kv = dataclasses.replace(kv, engine_id=engine_id)
+    host, base_port = spec.side_channel
+    try:
+        engine = LLMEngine(spec.config, kv, registry, engine_id, (host, base_port + spec.rank),
+                           dp_rank=spec.rank)
+    except (ConfigError, ModelLoadError) as e:
+        send(("error", spec.rank, str(e)))
+        return
+    info = {"engine_id": engine_id, "dp_rank": spec.rank, "tp_rank": 0}
+    if engine.connector is not None:
+        info = engine.connector.info()[0]
+    loop = EngineLoop(engine, lambda outs: send(("out", outs)))
+    send(("ready", spec.rank, info, engine.describe()))
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(spec.inbox)
+    while True:
+        msg = pickle.loads(inbox.recv())
+        if msg[0] == "add":
+            loop.add(msg[1])
+        elif msg[0] == "abort":
+            loop.abort(msg[1])
+        elif msg[0] == "metrics":
+            send(("metrics", msg[1], list(registry.collect())))
+        else:
+            loop.shutdown()
+            if engine.connector is not None:
+                engine.connector.close()
+            return
+

@@ -1,0 +1,85 @@
+"""The engine's step loop on its own thread: takes commands, steps while there is work,
+hands each step's outputs to a callback, and sleeps when there is nothing to do."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request, RequestOutput
+
+log = logging.getLogger("pdserve.engine")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, deliver: Callable[[list[RequestOutput]], None],
+                 idle_poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.deliver = deliver
+        self.idle_poll_s = idle_poll_s
+        self._inbox: list[tuple[str, object]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def add(self, req: Request) -> None:
+        self._submit("add", req)
+
+    def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _submit(self, kind: str, item: object) -> None:
+        with self._lock:
+            self._inbox.append((kind, item))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            outputs = self._drain_inbox()
+            computed = False
+            if self.engine.has_work() or self._connector_busy():
+                try:
+                    outputs += self.engine.step()
+                    computed = self.engine.last_step_computed
+                except Exception:
+                    outputs += self._fail_all(traceback.format_exc())
+            if outputs:
+                self.deliver(outputs)
+            elif not computed:  # nothing ran: sleep until work arrives or a poll is due
+                self._wake.wait(self._idle_timeout())
+                self._wake.clear()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outputs: list[RequestOutput] = []
+        for kind, item in inbox:
+            if kind == "add":
+                outputs += self.engine.add_request(item)
+            elif (out := self.engine.abort_request(item)) is not None:
+                outputs.append(out)
+        return outputs
+
+    def _connector_busy(self) -> bool:
+        c = self.engine.connector
+        return c is not None and c.busy()
+
+    def _idle_timeout(self) -> float:
+        c = self.engine.connector
+        return self.idle_poll_s if c is None else min(self.idle_poll_s, c.poll_interval())
+
+    def _fail_all(self, trace: str) -> list[RequestOutput]:
+        log.error("engine step failed; failing its requests:\n%s", trace)
+        error = trace.strip().splitlines()[-1]
+        return [self.engine.fail_request(r, f"internal error: {error}")
+                for r in list(self.engine.requests.values())]

@@ -98,11 +98,13 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        self._update_gauges()  # no step may follow: an idle engine must not show it running
         return self._output(req, [], [])
 
     def fail_request(self, req: Request, error: str) -> RequestOutput:
         req.error = error
         self._finish(req, "error")
+        self._update_gauges()
         return self._output(req, [], [])
 
     def has_work(self) -> bool:

@@ -49,6 +49,7 @@ class DPEngine(StreamingClient):
         super().__init__()
         self._dir = tempfile.mkdtemp(prefix="pdserve-dp-")
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(f"ipc://{self._dir}/out")
         self._push: list[zmq.Socket] = []
@@ -94,7 +95,11 @@ class DPEngine(StreamingClient):
 
     def _send(self, rank: int, msg: tuple) -> None:
         with self._send_lock:  # zmq sockets are not thread-safe
-            self._push[rank].send(pickle.dumps(msg))
+            try:  # never block on a rank that is gone
+                self._push[rank].send(pickle.dumps(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                if msg[0] != "stop":
+                    log.error("engine rank %d is not reachable; dropped %s", rank, msg[0])
 
     def _add(self, req: Request) -> None:
         rank = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
@@ -181,6 +186,7 @@ def run_rank(spec: RankSpec) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s dp{spec.rank} "
                         "%(name)s: %(message)s")
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
     out = ctx.socket(zmq.PUSH)
     out.connect(spec.outbox)
     lock = threading.Lock()

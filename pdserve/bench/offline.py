@@ -1,0 +1,223 @@
+"""Offline throughput, nano-vllm style: N sequences of random token ids (seeded), random
+input and output lengths, ignore_eos, all submitted to the engine at once; then the same
+sequences through HF transformers `generate` in the same process, same dtype and threads,
+so the ratio survives a noisy shared machine. Also the engine's pure decode step time at a
+few batch sizes.
+
+    pdserve bench offline                         # 64 seqs, in/out 64..512, float32
+    python -m pdserve.bench.offline --num-seqs 32 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import DTYPES, LLMEngine
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.model.loader import model_name, resolve
+
+MAX_TOKEN_ID = 10000  # nano-vllm draws prompt ids from [0, 10000]
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--min-input", type=int, default=64)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="engine only")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine batch limit (default: all sequences at once)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig().max_num_batched_tokens)
+    p.add_argument("--decode-batches", default="1,16,64",
+                   help="batch sizes for the decode step timing ('' to skip)")
+    p.add_argument("--decode-context", type=int, default=128,
+                   help="prompt tokens per sequence in the decode timing")
+    p.add_argument("--decode-steps", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    lens = [rng.randint(args.min_input, args.max_input) for _ in range(args.num_seqs)]
+    prompts = [[rng.randint(0, MAX_TOKEN_ID) for _ in range(n)] for n in lens]
+    outs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    return Workload(prompts, outs)
+
+
+def _blocks(num_tokens: int, block_size: int = 16) -> int:
+    return -(-num_tokens // block_size)
+
+
+def build_engine(args: argparse.Namespace, w: Workload, batches: list[int]) -> LLMEngine:
+    # A pool for every sequence at once (as nano-vllm sizes it), so no run preempts.
+    need = sum(_blocks(len(p) + o) for p, o in zip(w.prompts, w.output_lens, strict=True))
+    decode_need = max(batches, default=0) * _blocks(args.decode_context + args.decode_steps + 4)
+    max_len = max(len(p) + o for p, o in zip(w.prompts, w.output_lens, strict=True))
+    seqs = args.max_num_seqs or max(args.num_seqs, *batches, 1)
+    return LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
+        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(max_len, args.decode_context + args.decode_steps + 4, 2048),
+        seed=args.seed))
+
+
+def run_engine(engine: LLMEngine, w: Workload, tag: str = "seq") -> float:
+    """Seconds to generate the whole workload, all requests added at once."""
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens, strict=True)):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        engine.add_request(Request(f"{tag}{i}", p, params))
+    generated = 0
+    while engine.has_work():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - start
+    assert generated == w.output_tokens, (generated, w.output_tokens)
+    return elapsed
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    """Median time of one step once `batch` sequences of `context` tokens all decode."""
+    rng = random.Random(batch)
+    reqs = [Request(f"decode{batch}-{i}", [rng.randint(0, MAX_TOKEN_ID) for _ in range(context)],
+                    SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+            for i in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    while any(r.num_output_tokens == 0 for r in reqs):  # prefills, not timed
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for r in reqs:
+        engine.abort_request(r.request_id)
+    return statistics.median(times) * 1000
+
+
+def run_hf(model, w: Workload, batch_size: int) -> tuple[float, int]:
+    """Seconds for HF `generate` over the workload, and the tokens it generated.
+
+    Its best fair shot: batches sorted by output length (decode steps dominate, so each
+    batch runs about as many steps as its sequences asked for), then input length; left
+    padding with an attention mask; a batch generates its longest requested output for
+    every row (min_new_tokens = max_new_tokens: ignore_eos)."""
+    order = sorted(range(len(w.prompts)), key=lambda i: (w.output_lens[i], len(w.prompts[i])))
+    start, generated = time.perf_counter(), 0
+    for b in range(0, len(order), batch_size):
+        rows = order[b:b + batch_size]
+        ids, mask = _left_pad([w.prompts[i] for i in rows])
+        n = max(w.output_lens[i] for i in rows)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0)
+        generated += (out.shape[1] - ids.shape[1]) * len(rows)
+    return time.perf_counter() - start, generated
+
+
+def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def load_hf(args: argparse.Namespace):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve(args.model),
+                                                dtype=DTYPES[args.dtype]).eval()
+
+
+def _warm_up(engine: LLMEngine, hf) -> None:
+    """One short run each, untimed: first calls pay for allocator and kernel set-up."""
+    w = Workload([list(range(100, 164))] * 2, [8, 8])
+    run_engine(engine, w, tag="warmup")
+    if hf is not None:
+        run_hf(hf, w, 2)
+
+
+def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[float, int] | None,
+           decode: dict[int, float]) -> str:
+    n = w.output_tokens
+    lines = [
+        f"{len(w.prompts)} sequences of random token ids (seed {args.seed}): input "
+        f"{args.min_input}-{args.max_input} ({sum(map(len, w.prompts))} tokens), output "
+        f"{args.min_output}-{args.max_output} ({n} tokens), ignore_eos, greedy; "
+        f"{model_name(args.model)}, {args.dtype}, {torch.get_num_threads()} torch threads",
+        "",
+        "| run | output tokens | time (s) | output tokens/s |",
+        "|---|---:|---:|---:|",
+        f"| pdserve LLMEngine | {n} | {engine_s:.1f} | {n / engine_s:.1f} |",
+    ]
+    if hf is not None:
+        hf_s, hf_generated = hf
+        lines += [f"| HF transformers generate (batch {args.hf_batch_size}) | {n} | {hf_s:.1f} "
+                  f"| {n / hf_s:.1f} |",
+                  f"| **pdserve / HF** | | | **{hf_s / engine_s:.2f}x** |", "",
+                  f"HF generated {hf_generated} tokens to cover the {n} requested (a batch "
+                  "runs to its longest output); only the requested ones are counted."]
+    if decode:
+        lines += ["", f"Engine decode step, {args.decode_context}-token prompts, median of "
+                      f"{args.decode_steps} steps:", "",
+                  "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
+        lines += [f"| {b} | {ms:.1f} | {b * 1000 / ms:.1f} |" for b, ms in decode.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not 1 <= args.min_input <= args.max_input or not 1 <= args.min_output <= args.max_output:
+        print("pdserve bench offline: error: need 1 <= min <= max for input and output lengths",
+              file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.decode_batches.split(",") if b.strip()]
+    w = make_workload(args)
+    engine = build_engine(args, w, batches)
+    hf = None if args.skip_hf else load_hf(args)
+    _warm_up(engine, hf)
+    print(f"engine: {len(w.prompts)} sequences, {w.output_tokens} output tokens ...", flush=True)
+    engine_s = run_engine(engine, w)
+    hf_result = None
+    if hf is not None:
+        print(f"engine: {engine_s:.1f} s; HF transformers ...", flush=True)
+        hf_result = run_hf(hf, w, args.hf_batch_size)
+    decode = {b: decode_step_ms(engine, b, args.decode_context, args.decode_steps)
+              for b in batches}
+    print(report(args, w, engine_s, hf_result, decode), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

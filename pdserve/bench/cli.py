@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 BENCHMARKS = {
+    "handover": "TTFT through pdserve up vs the prefill's own TTFT",
     "offline": "engine throughput vs HF transformers (nano-vllm style)",
     "transfer": "KV pull rate over NIXL vs memcpy",
 }

@@ -1,0 +1,78 @@
+"""What disaggregation adds to TTFT: streamed requests through `pdserve up`'s proxy, set
+against the prefill's own TTFT for the same requests (its histogram), in one run.
+
+    pdserve bench handover --prompt-tokens 1024 --num-prompts 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+from pdserve.bench.launch import launched, up_layout
+
+TTFT = "pdserve_time_to_first_token_seconds"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench handover", description=__doc__)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    up, proxy, prefill, decode = up_layout(["--dtype", args.dtype])
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
+               for _ in range(args.num_prompts + 1)]
+    with launched(up, [prefill, decode, proxy]):
+        _stream(proxy, prompts[0], args.max_tokens)  # warm-up: handshake, first allocations
+        before = _histogram(prefill)
+        ttfts = [_stream(proxy, prompt, args.max_tokens) for prompt in prompts[1:]]
+        after = _histogram(prefill)
+    prefill_ttft = (after[0] - before[0]) / (after[1] - before[1])
+    proxy_ttft = statistics.mean(ttfts)
+    result = {"prompt_tokens": args.prompt_tokens, "num_prompts": args.num_prompts,
+              "proxy_ttft_mean_s": proxy_ttft, "proxy_ttft_median_s": statistics.median(ttfts),
+              "prefill_ttft_mean_s": prefill_ttft,
+              "handover_ratio": (proxy_ttft - prefill_ttft) / prefill_ttft}
+    print("| prompt tokens | TTFT through proxy (mean) | prefill's own TTFT (mean) | "
+          "(proxy - prefill) / prefill |\n|---|---|---|---|")
+    print(f"| {args.prompt_tokens} | {proxy_ttft * 1e3:.1f} ms | {prefill_ttft * 1e3:.1f} ms | "
+          f"{result['handover_ratio']:.1%} |")
+    print(json.dumps(result))
+    return 0
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> float:
+    """Time from sending to the first streamed token."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    first = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and '"text":""' not in line:
+                first = time.perf_counter() - start
+    return first if first is not None else float("nan")
+
+
+def _histogram(url: str) -> tuple[float, float]:
+    """(sum, count) of the prefill's TTFT histogram."""
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for part in ("_sum", "_count"):
+            if line.startswith(TTFT + part):
+                values[part] = float(line.rsplit(" ", 1)[1])
+    return values["_sum"], values["_count"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""Start `pdserve` layouts for benchmarks and stop them again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p+count-1 free on 127.0.0.1."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count < 65000 and all(_free(base + i) for i in range(count)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@contextmanager
+def launched(args: list[str], health_urls: list[str], timeout: float = 300):
+    """Run `pdserve ARGS` in its own process group until the block ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.entrypoints.cli", *args],
+                            start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        _wait(proc, health_urls, timeout)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait(proc: subprocess.Popen, urls: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve exited with {proc.returncode} during start-up")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy after {timeout}s: {', '.join(pending)}")
+        try:
+            if httpx.get(pending[0] + "/health", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+
+
+def up_layout(extra: list[str] | None = None) -> tuple[list[str], str, str, str]:
+    """argv for `pdserve up` on fresh ports, and its proxy, prefill and decode URLs."""
+    port, base, side = free_port(), free_port(count=2), free_port(count=2)
+    argv = ["up", "--port", str(port), "--base-port", str(base),
+            "--side-channel-base-port", str(side), *(extra or [])]
+    url = "http://127.0.0.1:{}"
+    return argv, url.format(port), url.format(base), url.format(base + 1)

@@ -88,13 +88,15 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = {}
-        for pool in (proxy.prefill, proxy.decode):
-            for b in pool.backends:
-                status[b.url] = await _check(proxy.client, b.url)
-        ok = all(status.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "backends": {
-            u: "ok" if v else "down" for u, v in status.items()}}, status_code=200 if ok else 503)
+        """200 while every tier has a live backend (status "degraded" if some are down)."""
+        tiers = {pool.name: {b.url: await _check(proxy.client, b.url) for b in pool.backends}
+                 for pool in (proxy.prefill, proxy.decode)}
+        usable = all(any(t.values()) for t in tiers.values())
+        whole = all(all(t.values()) for t in tiers.values())
+        return JSONResponse({
+            "status": "ok" if whole else "degraded" if usable else "down",
+            "backends": {u: "ok" if up else "down" for t in tiers.values() for u, up in t.items()},
+        }, status_code=200 if usable else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:

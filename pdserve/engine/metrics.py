@@ -10,10 +10,16 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             5.0, 10.0, 30.0)
 
 
+def labelled_factory(registry: CollectorRegistry, engine_id: str):
+    """A maker of metrics in `registry` that are already labelled with `engine_id`."""
+    def labelled(kind, name: str, doc: str, **kw):
+        return kind(name, doc, ["engine_id"], registry=registry, **kw).labels(engine_id)
+    return labelled
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry, engine_id: str) -> None:
-        def labelled(kind, name: str, doc: str, **kw):
-            return kind(name, doc, ["engine_id"], registry=registry, **kw).labels(engine_id)
+        labelled = labelled_factory(registry, engine_id)
 
         self.running = labelled(Gauge, "pdserve_num_requests_running", "Requests running")
         self.waiting = labelled(Gauge, "pdserve_num_requests_waiting",

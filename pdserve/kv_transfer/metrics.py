@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.engine.metrics import labelled_factory
+
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 30.0)
 _DESCS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
 
 class TransferMetrics:
     def __init__(self, registry: CollectorRegistry, engine_id: str) -> None:
-        def labelled(kind, name: str, doc: str, **kw):
-            return kind(name, doc, ["engine_id"], registry=registry, **kw).labels(engine_id)
+        labelled = labelled_factory(registry, engine_id)
 
         self.transfers = labelled(Counter, "pdserve_kv_transfers", "KV pulls completed")
         self.bytes = labelled(Counter, "pdserve_kv_transfer_bytes", "KV bytes pulled")

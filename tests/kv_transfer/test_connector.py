@@ -108,6 +108,17 @@ def decode_request(rid: str = "d1", prompt_len: int = 10, **params) -> Request:
     return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=5), p)
 
 
+def finished_prefill(engine: FakeEngine, prompt_len: int) -> Request:
+    """A do_remote_decode request that just sampled its one token (5, logprob -1)."""
+    req = Request("p1", list(range(prompt_len)), SamplingParams(max_tokens=1),
+                  {"do_remote_decode": True})
+    req.block_ids = engine.allocator.allocate(-(-prompt_len // engine.config.block_size))
+    req.token_ids.append(5)
+    req.output_logprobs.append(-1.0)
+    req.finish_reason = "length"
+    return req
+
+
 def settle(conn: PDConnector) -> list[RequestOutput]:
     """Let the handshake thread finish, then poll."""
     wait(list(conn.connecting.values()), timeout=5)
@@ -158,12 +169,7 @@ def test_prefill_stages_out_before_announcing():
     cache = torch.arange(32.0).reshape(16, 2)
     staging = HostBuffer(CPU, cache, torch.zeros(16, 2))
     conn, engine, _ = make(staging=staging)
-    req = Request("p1", list(range(10)), SamplingParams(max_tokens=1),
-                  {"do_remote_decode": True})
-    req.block_ids = engine.allocator.allocate(3)
-    req.token_ids.append(5)
-    req.output_logprobs.append(-1.0)
-    req.finish_reason = "length"
+    req = finished_prefill(engine, prompt_len=10)
     assert conn.on_finish(req, was_loading=False)
     assert torch.equal(staging.host[req.block_ids], cache[req.block_ids])
 
@@ -250,12 +256,7 @@ def test_handshake_failure_and_engine_id_mismatch_fail_clearly():
 
 def test_prefill_holds_blocks_under_a_lease_until_the_reader_is_done():
     conn, engine, transport = make(kv_lease_duration=0.2)
-    req = Request("p1", list(range(10)), SamplingParams(max_tokens=1),
-                  {"do_remote_decode": True})
-    req.block_ids = engine.allocator.allocate(3)
-    req.token_ids.append(5)
-    req.output_logprobs.append(-1.0)
-    req.finish_reason = "length"
+    req = finished_prefill(engine, prompt_len=10)
     assert conn.on_finish(req, was_loading=False)
     p = req.response_kv_params
     assert p["do_remote_prefill"] and p["remote_block_ids"] == req.block_ids
@@ -271,11 +272,7 @@ def test_prefill_holds_blocks_under_a_lease_until_the_reader_is_done():
 
 def test_unrenewed_lease_expires_and_is_counted():
     conn, engine, transport = make(kv_lease_duration=0.05)
-    req = Request("p1", list(range(4)), SamplingParams(max_tokens=1), {"do_remote_decode": True})
-    req.block_ids = engine.allocator.allocate(1)
-    req.token_ids.append(5)
-    req.output_logprobs.append(-1.0)
-    req.finish_reason = "length"
+    req = finished_prefill(engine, prompt_len=4)
     conn.on_finish(req, was_loading=False)
     time.sleep(0.1)
     conn.poll()

@@ -51,8 +51,9 @@ def test_completions(server, tmp_path, capsys):
 def test_chat(server, tmp_path):
     r = _run(server, tmp_path, "--endpoint", "/v1/chat/completions")
     assert (r["completed"], r["failed"], r["total_output_tokens"]) == (4, 0, 32)
-    # Random words are a token each; the chat template adds a few of its own.
-    assert all(32 <= n <= 64 for n in r["input_lens"])
+    # Random words are a token each; the chat template adds its own (SmolLM2's default system
+    # prompt is about 30 tokens).
+    assert all(32 <= n <= 32 + 48 for n in r["input_lens"])
 
 
 def test_unreachable_server_fails_cleanly(tmp_path):

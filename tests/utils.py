@@ -1,23 +1,29 @@
-"""Real processes for end-to-end tests: start a `pdserve` command on 127.0.0.1, wait until
-it is healthy, read its metrics, stop it by PID."""
+"""Test helpers. Real processes for end-to-end tests: start a `pdserve` command on 127.0.0.1,
+wait until it is healthy, read its metrics, stop it by PID. In-process: drive an engine to
+completion, and compare greedy output with HF transformers' up to near-ties."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
+import torch
+
+from pdserve.bench.launch import free_port
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request, RequestOutput, SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Server:
     proc: subprocess.Popen
     url: str
@@ -28,6 +34,7 @@ class Server:
             return f.read()
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -37,31 +44,24 @@ class Server:
                 self.proc.wait()
 
 
-def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 are all free on 127.0.0.1 now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65000 and all(_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free ports")
+_LIVE: set[Server] = set()  # stopped at exit, so a test that fails midway leaks no process
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop()
 
 
 def start_server(args: list[str], url: str | None = None, timeout: float = 180,
                  env: dict[str, str] | None = None,
-                 ready: Callable[[Server], bool] | None = None) -> Server:
-    """Run `pdserve ARGS` in its own process group; `url` defaults to --port's."""
+                 ready: Callable[[Server], bool] | None = None,
+                 health: str = "/health") -> Server:
+    """Run `pdserve ARGS` in its own process group; `url` defaults to --port's (a free port
+    is added when ARGS name none)."""
     if url is None:
+        if "--port" not in args:
+            args = [*args, "--port", str(free_port())]
         url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     fd, log_path = tempfile.mkstemp(prefix="pdserve-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
@@ -69,13 +69,14 @@ def start_server(args: list[str], url: str | None = None, timeout: float = 180,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     server = Server(proc, url, log_path)
+    _LIVE.add(server)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"pdserve {' '.join(args)} exited with {proc.returncode}:\n"
                                f"{server.log()[-4000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200 and \
+            if httpx.get(url + health, timeout=2).status_code == 200 and \
                     (ready is None or ready(server)):
                 return server
         except httpx.TransportError:
@@ -99,3 +100,105 @@ def wait_for_metric(url: str, name: str, value: float, timeout: float = 10) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"{name} at {url} is {got}, expected {value}")
         time.sleep(0.1)
+
+
+# -- in-process engine runs ---------------------------------------------------------------
+
+# Varied English and code (283 tokens) to cut prompts from.
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
+    "hundred and twelve steps out loud. From the lantern room he could see the fishing "
+    "boats returning to the harbour, their lights swaying on the dark water.\n\n"
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+    "    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n"
+    "            out.append(a[i]); i += 1\n"
+    "        else:\n"
+    "            out.append(b[j]); j += 1\n"
+    "    return out + a[i:] + b[j:]\n\n"
+    "Photosynthesis converts light energy into chemical energy stored in glucose. It takes "
+    "place in the chloroplasts, where chlorophyll absorbs mostly red and blue light and "
+    "reflects green, which is why leaves look green to us.\n\n"
+    "Q: A train leaves at 9:40 and arrives at 13:15. How long is the journey?\n"
+    "A: Three hours and thirty-five minutes.\n\n"
+    "In 1969 the Apollo 11 mission landed on the Moon; Neil Armstrong and Buzz Aldrin "
+    "spent about two and a half hours walking on the surface while Michael Collins "
+    "orbited above in the command module.\n\n"
+)
+
+# Greedy runs may part from the reference only where its top-1/top-2 logit margin is below
+# this: there float32 rounding (another kernel, batch shape or chunking) may flip the argmax.
+NEAR_TIE = 0.02
+
+
+@dataclass
+class Generation:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.text += out.text
+        self.finish_reason = out.finish_reason
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_engine(engine: LLMEngine, requests: list[Request]) -> dict[str, Generation]:
+    """Add all requests at once, step until done; the engine must end idle with its pool
+    whole."""
+    gens = {r.request_id: Generation() for r in requests}
+    for r in requests:
+        collect(gens, engine.add_request(r))
+    while engine.has_work():
+        collect(gens, engine.step())
+    assert_idle(engine)
+    return gens
+
+
+def collect(gens: dict[str, Generation], outputs: list[RequestOutput]) -> None:
+    for out in outputs:
+        gens[out.request_id].add(out)
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    assert not engine.has_work() and not engine.requests
+    assert engine.allocator.num_free == engine.allocator.num_blocks, "KV blocks leaked"
+
+
+# -- HF transformers reference --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reference:
+    tokens: list[int]
+    margins: list[float]  # top-1 minus top-2 logit at each generated position
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> Reference:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # raw logits, [steps, 2]
+    return Reference(out.sequences[0, len(prompt):].tolist(),
+                     (top2[:, 0] - top2[:, 1]).tolist())
+
+
+def assert_matches_reference(got: list[int], ref: Reference, what: str = "") -> int | None:
+    """Token-identical to `ref`, except that the two may part at a near-tie of the reference
+    (nothing after it is compared). Returns the parting position, or None."""
+    for i, (a, b) in enumerate(zip(got, ref.tokens, strict=False)):
+        if a != b:
+            assert ref.margins[i] < NEAR_TIE, (
+                f"{what}: token {i} is {a}, HF's is {b} with a top-2 margin of "
+                f"{ref.margins[i]:.4f} (>= {NEAR_TIE}); got {got}, HF {ref.tokens}")
+            return i
+    assert got == ref.tokens, f"{what}: lengths differ: got {got}, HF {ref.tokens}"
+    return None

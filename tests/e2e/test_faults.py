@@ -52,8 +52,9 @@ def _prefill(url: str) -> dict:
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_prefill_killed_before_the_pull(mono, policy):
     prefill = _serve(_kv())
-    decode = _serve(_kv(policy))
+    decode = None
     try:
+        decode = _serve(_kv(policy))
         params = _prefill(prefill.url)
         os.killpg(prefill.proc.pid, signal.SIGKILL)
         prefill.proc.wait()
@@ -73,7 +74,8 @@ def test_prefill_killed_before_the_pull(mono, policy):
                         metric(decode.url, "pdserve_kv_blocks_total"))
     finally:
         prefill.stop()
-        decode.stop()
+        if decode is not None:
+            decode.stop()
 
 
 def test_restarted_prefill_gets_a_fresh_handshake(mono):

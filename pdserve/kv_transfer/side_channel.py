@@ -57,7 +57,11 @@ class SideChannelServer:
             frames = self._sock.recv_multipart()
             if len(frames) < 2:
                 continue
-            reply = self._reply(frames[-1])
+            try:
+                reply = self._reply(frames[-1])
+            except Exception as e:  # whatever a peer sends, the listener keeps serving
+                log.exception("side-channel message handling failed")
+                reply = {"error": f"bad side-channel message: {type(e).__name__}"}
             with suppress(zmq.ZMQError):  # the peer left before we answered
                 self._sock.send_multipart([frames[0], b"", msgspec.msgpack.encode(reply)])
         self._sock.close()
@@ -69,9 +73,11 @@ class SideChannelServer:
             return {"error": "malformed handshake message"}
         if not isinstance(msg, dict) or msg.get("type") not in ("handshake", "release"):
             return {"error": "expected a handshake or release request"}
+        # As bytes: compare_digest refuses non-ASCII str (a TypeError that killed the thread).
         if self._secret is not None and not hmac.compare_digest(
-                str(msg.get("secret", "")), self._secret):
-            return {"error": "refused: wrong or missing side_channel_secret"}
+                str(msg.get("secret", "")).encode(), self._secret.encode()):
+            return {"error": "wrong or missing side_channel_secret (set the same "
+                              "kv_connector_extra_config.side_channel_secret on both sides)"}
         if msg["type"] == "release":  # a decode that cannot read gives the blocks back
             if not isinstance(rid := msg.get("request_id"), str):
                 return {"error": "release needs a request_id string"}

@@ -6,12 +6,16 @@ Speaks vLLM's P/D HTTP protocol, so it can front vLLM instances as well as pdser
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
 import os
 import uuid
+from collections.abc import Coroutine
+from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -74,6 +78,9 @@ class Proxy:
                 b.outstanding += 1
                 resp = await self.client.send(req, stream=stream)
                 return b, resp
+            except asyncio.CancelledError:  # our client went away
+                b.outstanding -= 1
+                raise
             except httpx.TransportError as e:
                 b.outstanding -= 1
                 tried.append(f"{b.url} ({type(e).__name__})")
@@ -127,14 +134,35 @@ async def _handle(proxy: Proxy, request: Request, path: str) -> Response:
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object")
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    stream = bool(body.get("stream"))
+    exchange = _exchange(proxy, path, body, request_id, stream)
+    # A streamed answer notices a gone client when a write fails; a plain one must watch.
+    return await (exchange if stream else _unless_gone(request, exchange))
+
+
+async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
+                    stream: bool) -> Response:
     try:
         params, error = await _prefill(proxy, path, body, request_id)
         if error is not None:
             return error
         decode_body = {**body, "kv_transfer_params": params}
-        return await _decode(proxy, path, decode_body, request_id, bool(body.get("stream")))
+        return await _decode(proxy, path, decode_body, request_id, stream)
     except BackendDown as e:
         return _error(503, str(e), "service_unavailable")
+
+
+async def _unless_gone(request: Request, exchange: Coroutine[Any, Any, Response]) -> Response:
+    """Run `exchange`, cancelling it once our client has gone: that closes the backend
+    connection, which aborts the backend's request instead of generating for nobody."""
+    task = asyncio.ensure_future(exchange)
+    while not (await asyncio.wait({task}, timeout=0.25))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nobody reads it
+    return task.result()
 
 
 async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str

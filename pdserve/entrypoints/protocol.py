@@ -94,12 +94,13 @@ def require_api_key(app: FastAPI, key: str | None) -> None:
     """OpenAI-style Bearer auth on /v1/* (health and metrics stay open for probes)."""
     if not key:
         return
-    expected = f"Bearer {key}"
+    expected = f"Bearer {key}".encode()
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("authorization", ""), expected):
+        # As bytes: compare_digest raises on non-ASCII str, which made a 500 of a bad key.
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if request.url.path.startswith("/v1/") and not hmac.compare_digest(given, expected):
             return JSONResponse(error_body("invalid or missing API key", 401,
                                            "authentication_error"), status_code=401)
         return await call_next(request)

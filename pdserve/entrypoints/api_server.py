@@ -78,7 +78,7 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = body.single_prompt()
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = _encode(state, prompt) if isinstance(prompt, str) else prompt
         req = _engine_request(state, body, ids, body.max_tokens or 16,
                               body.logprobs is not None, raw)
         return await _respond(state, req, body, raw, _CompletionFormat(state, req, body))
@@ -90,13 +90,22 @@ def build_app(state: ServerState) -> FastAPI:
             text = state.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise HTTPError(400, f"cannot apply the chat template: {e}") from None
-        ids = state.tokenizer.encode(text)
+        ids = _encode(state, text)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
         req = _engine_request(state, body, ids, max_tokens, body.logprobs, raw)
         return await _respond(state, req, body, raw, _ChatFormat(state, req, body))
 
     return app
+
+
+def _encode(state: ServerState, text: str) -> list[int]:
+    try:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer takes
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise HTTPError(400, f"the prompt is not valid Unicode: {e.reason} at "
+                             f"position {e.start}") from None
+    return state.tokenizer.encode(text)
 
 
 def _engine_request(state: ServerState, body: _Body, ids: list[int], max_tokens: int,

@@ -71,9 +71,13 @@ class Proxy:
                    stream: bool) -> tuple[Backend, httpx.Response]:
         """POST to the first backend of `pool` that answers; BackendDown if none does."""
         tried = []
+        # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
+        # (json.loads took them); the backend judges the body, not the proxy.
+        content = json.dumps(body, separators=(",", ":"))
+        headers = {**self.headers(request_id), "Content-Type": "application/json"}
         for b in pool.order():
-            req = self.client.build_request("POST", b.url + path, json=body,
-                                            headers=self.headers(request_id))
+            req = self.client.build_request("POST", b.url + path, content=content,
+                                            headers=headers)
             try:
                 b.outstanding += 1
                 resp = await self.client.send(req, stream=stream)
@@ -131,6 +135,8 @@ async def _handle(proxy: Proxy, request: Request, path: str) -> Response:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _error(400, f"request body is not valid JSON: {e}")
+    except RecursionError:
+        return _error(400, "request body is nested too deeply")
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object")
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex

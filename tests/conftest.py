@@ -1,0 +1,64 @@
+"""Session fixtures: the embedded model is converted, loaded and run once per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.model.loader import resolve
+from pdserve.model.tokenizer import Tokenizer
+from tests.reliability import (  # noqa: F401  (the reliability report plugin)
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    reliability_row,
+)
+from tests.utils import Reference, hf_greedy
+
+# Nothing above imports transformers; it (and every server the tests start) must find no hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ENGINE_KV_BLOCKS = 512  # 8192 tokens: every test's concurrent batch fits without preemption
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> Path:
+    return resolve(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_folder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(model_folder, [2])
+
+
+@pytest.fixture(scope="session")
+def engine_f32(model_folder: Path) -> LLMEngine:
+    """A float32 engine shared by the session: tests must leave it idle, its pool whole."""
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=ENGINE_KV_BLOCKS))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model) -> Callable[[list[int], int], Reference]:
+    """HF greedy continuation of a prompt (with its logit margins), computed once per prompt."""
+    done: dict[tuple[tuple[int, ...], int], Reference] = {}
+
+    def get(prompt: list[int], max_new_tokens: int) -> Reference:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in done:
+            done[key] = hf_greedy(hf_model, prompt, max_new_tokens)
+        return done[key]
+
+    return get
+

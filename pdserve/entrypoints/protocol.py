@@ -41,7 +41,9 @@ class _Body(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=max(self.top_k, 0), seed=self.seed, stop=stop,
+            # Any k past the vocabulary keeps every token; clamped so the sampler's int64
+            # tensor never overflows (a 500 for every request in the batch).
+            top_k=min(max(self.top_k, 0), 2**31), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs)
 

@@ -6,6 +6,7 @@ afterwards the servers are healthy and their KV pools whole."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 
 from tests.e2e.cluster import MODEL, healthy, kv_config, pools_whole, proxy, serve, stop
 
-EXAMPLES = 280  # per target and endpoint mix; two targets
+# Per target (two of them); PDSERVE_FUZZ_EXAMPLES raises it for a longer hunt.
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "280"))
 LEASE = 3  # s: junk do_remote_decode requests hold blocks this long
 ABSENT = object()
 
@@ -161,7 +163,9 @@ RAW = [b"", b"{", b"{not json", b"\xff\xfe\x00", b"[" * 100_000, b'{"a":' * 50_0
        b"null", b"[]", b'"prompt"', b"12", b'{"prompt": NaN, "max_tokens": Infinity}',
        b'{"prompt": "Hi", "max_tokens": 1e400}', b'{"prompt": "\\ud800", "max_tokens": 1}',
        b'{"prompt": "Hi", "prompt": [1], "max_tokens": 1}', b"\x00" * 1000,
-       json.dumps({"prompt": "x" * 200_000, "max_tokens": 1}).encode()]
+       json.dumps({"prompt": "x" * 200_000, "max_tokens": 1}).encode(),
+       b'{"prompt": "Hi", "max_tokens": 1, "top_k": 9223372036854775808}',  # int64 overflow
+       b'{"prompt": "Hi", "max_tokens": 1, "temperature": 0.5, "top_k": 1e400}']
 
 
 def _fuzz(url: str, info: dict[str, Any]) -> Counter:

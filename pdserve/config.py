@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     seed: int = 0
 

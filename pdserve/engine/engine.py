@@ -60,7 +60,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or int(
             config.kv_cache_memory_gib * 2**30 // shape.block_bytes(self.dtype))
         self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.runner = ModelRunner(model, self.cache, Sampler(config.seed))
         self.engine_id = engine_id or (kv_config.engine_id if kv_config else "local")
@@ -116,6 +116,8 @@ class LLMEngine:
         outputs = self.connector.poll() if self.connector is not None else []
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(sched.preempted))
+        self.metrics.prefix_queries.inc(sched.cache_queries)
+        self.metrics.prefix_hits.inc(sched.cache_hits)
         if sched.to_load:
             outputs += self.connector.start_load(sched.to_load)
         if sched.items:
@@ -132,6 +134,7 @@ class LLMEngine:
         sampled, tokens, logprobs = self.runner.run(items)
         for req, n in items:
             req.num_computed_tokens += n
+            self.scheduler.cache_computed(req)
         now = time.monotonic()
         return [self._append(r, t, lp, now) for r, t, lp in zip(sampled, tokens, logprobs,
                                                                  strict=True)]

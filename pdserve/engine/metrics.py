@@ -32,6 +32,10 @@ class EngineMetrics:
                                         "Prompt tokens run through the model")
         self.generation_tokens = labelled(Counter, "pdserve_generation_tokens",
                                           "Generated tokens")
+        self.prefix_queries = labelled(Counter, "pdserve_prefix_cache_queries",
+                                       "Tokens looked up in the prefix cache")
+        self.prefix_hits = labelled(Counter, "pdserve_prefix_cache_hits",
+                                    "Tokens found in the prefix cache (not recomputed)")
         self.preemptions = labelled(Counter, "pdserve_num_preemptions", "Preempted requests")
         self.ttft = labelled(Histogram, "pdserve_time_to_first_token_seconds",
                              "Time to first token", buckets=_LATENCY)

@@ -45,6 +45,9 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
+    num_registered_blocks: int = 0  # of its blocks, those named in the prefix cache
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None

@@ -2,7 +2,9 @@
 
 Every step spends a token budget: running requests first (a decode costs one token, an
 unfinished prefill its next chunk), then waiting ones. A request whose KV comes from a
-remote prefill gets its blocks and waits in WAITING_FOR_REMOTE_KV until the pull lands."""
+remote prefill gets its blocks and waits in WAITING_FOR_REMOTE_KV until the pull lands.
+A request admitted starts from the longest prefix of its tokens already in the prefix cache
+(full blocks it shares by reference), and its own full blocks join the cache once computed."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator, chain_hashes
 from pdserve.engine.request import Request, Status
 
 
@@ -19,6 +21,8 @@ class Schedule:
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     to_load: list[Request] = field(default_factory=list)  # blocks ready for a remote pull
     preempted: list[Request] = field(default_factory=list)
+    cache_queries: int = 0  # tokens looked up in the prefix cache
+    cache_hits: int = 0  # of those, tokens found
 
 
 class Scheduler:
@@ -50,23 +54,36 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and self._slots_left():
             req = self.waiting[0]
+            hit = self._take_cached_prefix(req)
+            n = 0 if req.load_remote else self._num_new(req, budget)
+            if not self._grow(req, req.num_prompt_tokens if req.load_remote
+                              else req.num_computed_tokens + n):
+                self._drop_cached_prefix(req, hit)
+                break
+            self.waiting.popleft()
+            if hit >= 0:
+                out.cache_queries += len(req.token_ids)
+                out.cache_hits += req.num_cached_tokens
             if req.load_remote:
-                if not self._grow(req, req.num_prompt_tokens):
-                    break
-                self.waiting.popleft()
                 req.status = Status.WAITING_FOR_REMOTE_KV
                 self.loading[req.request_id] = req
                 out.to_load.append(req)
                 continue
-            n = self._num_new(req, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             out.items.append((req, n))
             budget -= n
         return out
+
+    def cache_computed(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache."""
+        full = req.num_computed_tokens // self.config.block_size
+        if full <= req.num_registered_blocks or not self.allocator.prefix_caching:
+            return
+        hashes = chain_hashes(req.token_ids, self.config.block_size, req.block_hashes, full)
+        for i in range(req.num_registered_blocks, full):
+            self.allocator.cache(req.block_ids[i], hashes[i])
+        req.num_registered_blocks = full
 
     def loaded(self, req: Request, ok: bool, recompute_last: bool = False) -> None:
         """A remote pull ended: the prompt is computed, or (failed) must be recomputed.
@@ -77,7 +94,9 @@ class Scheduler:
             req.num_computed_tokens = req.num_prompt_tokens - int(recompute_last)
             req.status = Status.RUNNING
             self.running.append(req)
-        else:
+            self.cache_computed(req)
+        else:  # recompute what the cache did not hold (the pull may have half-written it)
+            req.num_computed_tokens = req.num_cached_tokens
             req.load_remote = False
             req.status = Status.WAITING
             self.waiting.appendleft(req)
@@ -101,6 +120,29 @@ class Scheduler:
             end = req.num_prompt_tokens
         return min(end - req.num_computed_tokens, budget)
 
+    def _take_cached_prefix(self, req: Request) -> int:
+        """Start a request without blocks at its longest cached prefix; returns the blocks
+        taken, or -1 if nothing was looked up (it had blocks, or caching is off)."""
+        if req.block_ids or not self.allocator.prefix_caching:
+            return -1
+        bs = self.config.block_size
+        # Only blocks before the first token this request will run: a shared block is
+        # never written. That is its last known token (a remote prefill's first output
+        # token, when it sent one, is the first one run on decode).
+        usable = (len(req.token_ids) - 1) // bs
+        hashes = chain_hashes(req.token_ids, bs, req.block_hashes, usable)
+        req.block_ids = self.allocator.lookup(hashes[:usable])
+        req.num_cached_tokens = req.num_computed_tokens = len(req.block_ids) * bs
+        req.num_registered_blocks = len(req.block_ids)
+        return len(req.block_ids)
+
+    def _drop_cached_prefix(self, req: Request, hit: int) -> None:
+        """Undo _take_cached_prefix for a request that could not be admitted."""
+        if hit > 0:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+            req.num_cached_tokens = req.num_computed_tokens = req.num_registered_blocks = 0
+
     def _reserve(self, req: Request, n: int, out: Schedule) -> bool:
         """Grow `req` to hold n more tokens, preempting the newest running requests."""
         while not self._grow(req, req.num_computed_tokens + n):
@@ -123,7 +165,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.allocator.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_tokens = req.num_registered_blocks = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV of prompt prefixes seen before (--no-prefix-caching: off)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -40,7 +43,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gib=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_threads=args.num_threads, seed=args.seed)
+        enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
+        seed=args.seed)
     cfg.validate()
     return cfg
 

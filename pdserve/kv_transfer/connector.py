@@ -213,9 +213,17 @@ class PDConnector:
                     self._start_read(pull, outputs)
 
     def _start_read(self, pull: Pull, outputs: list[RequestOutput]) -> None:
-        local = pull.req.block_ids[:len(pull.block_ids)]
+        # Blocks the local prefix cache already held are not pulled again.
+        skip = self._num_cached_blocks(pull)
+        self.metrics.bytes_saved.inc(skip * self.engine.cache.block_bytes)
+        if skip == len(pull.block_ids):  # all of it: only tell the prefill to let go
+            self.transport.notify(pull.peer, DONE + pull.request_id.encode())
+            del self.pulls[pull.req.request_id]
+            self._loaded(pull)
+            return
+        local = pull.req.block_ids[skip:len(pull.block_ids)]
         try:
-            pull.handle = self.transport.read(pull.peer, local, pull.block_ids,
+            pull.handle = self.transport.read(pull.peer, local, pull.block_ids[skip:],
                                               DONE + pull.request_id.encode())
         except (ValueError, RuntimeError) as e:
             pull.handle = None
@@ -243,9 +251,16 @@ class PDConnector:
             self.engine.free_blocks(pull.req)
             return
         if self.staging is not None:
-            self.staging.load(pull.req.block_ids[:len(pull.block_ids)])
-        self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not
-                                         pull.has_first_token)
+            self.staging.load(pull.req.block_ids[self._num_cached_blocks(pull):
+                                                 len(pull.block_ids)])
+        self._loaded(pull)
+
+    def _num_cached_blocks(self, pull: Pull) -> int:
+        return min(pull.req.num_cached_tokens // self.engine.config.block_size,
+                   len(pull.block_ids))
+
+    def _loaded(self, pull: Pull) -> None:
+        self.engine.scheduler.loaded(pull.req, ok=True, recompute_last=not pull.has_first_token)
 
     def _fail_pulls(self, key: tuple[str, int], why: str, outputs: list[RequestOutput],
                     force: bool = False) -> None:

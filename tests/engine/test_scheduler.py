@@ -16,12 +16,13 @@ from tests.utils import PASSAGE, assert_idle, assert_matches_reference, greedy, 
 # -- the scheduler alone ---------------------------------------------------------------------
 
 
-def _scheduler(num_blocks: int, **config) -> Scheduler:
-    return Scheduler(EngineConfig(**config), BlockAllocator(num_blocks))
+def _scheduler(num_blocks: int, prefix_caching: bool = False, **config) -> Scheduler:
+    # Off unless a test is about it: the prompts below share prefixes (range(n)).
+    return Scheduler(EngineConfig(**config), BlockAllocator(num_blocks, prefix_caching))
 
 
-def _add(s: Scheduler, request_id: str, num_tokens: int) -> Request:
-    req = Request(request_id, list(range(num_tokens)), SamplingParams())
+def _add(s: Scheduler, request_id: str, num_tokens: int, first: int = 0) -> Request:
+    req = Request(request_id, list(range(first, first + num_tokens)), SamplingParams())
     s.add(req)
     return req
 
@@ -32,6 +33,7 @@ def _step(s: Scheduler) -> Schedule:
     sched = s.schedule()
     for req, n in sched.items:
         req.num_computed_tokens += n
+        s.cache_computed(req)
         if req.num_computed_tokens == len(req.token_ids):
             req.token_ids.append(0)
     return sched

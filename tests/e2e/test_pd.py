@@ -120,18 +120,48 @@ def test_one_at_a_time_identical_to_monolithic(setup):
     _assert_pools_whole(prefill, decode)
 
 
+def _block_bytes(dtype: str) -> int:
+    return 30 * 2 * 16 * 3 * 64 * (4 if dtype == "float32" else 2)
+
+
+def _pulled_and_saved(decode: str) -> tuple[float, float]:
+    return (metric(decode, "pdserve_kv_transfer_bytes_total"),
+            metric(decode, "pdserve_kv_transfer_bytes_saved_total"))
+
+
 def test_transfer_bytes_match_blocks(setup):
     dtype, mono, up, prefill, decode = setup
     info = httpx.get(prefill + "/v1/kv_transfer/info").json()["ranks"][0]
     assert info["engine_id"] and info["side_channel_port"] > 0
-    block_bytes = 30 * 2 * 16 * 3 * 64 * (4 if dtype == "float32" else 2)
-    before = metric(decode, "pdserve_kv_transfer_bytes_total")
+    pulled, saved = _pulled_and_saved(decode)
     n = 0
     for prompt in (COMPLETIONS[1], "x" * 200):
         r = httpx.post(up.url + "/v1/completions", json={
             "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
         n += -(-r.json()["usage"]["prompt_tokens"] // 16)
-    assert metric(decode, "pdserve_kv_transfer_bytes_total") - before == n * block_bytes
+    # Every prompt block was either pulled or already in the decode's prefix cache.
+    now_pulled, now_saved = _pulled_and_saved(decode)
+    assert (now_pulled - pulled) + (now_saved - saved) == n * _block_bytes(dtype)
+
+
+def test_decode_with_a_warm_prefix_pulls_only_what_it_lacks(setup):
+    dtype, mono, up, prefill, decode = setup
+    shared = "A report on the harbour, its ships and the people who work there. " * 8
+    prompts = [shared + "First, the ships.", shared + "Then, the people."]
+    pulled, saved = _pulled_and_saved(decode)
+    for i, prompt in enumerate(prompts + prompts[:1]):
+        want = _complete(mono.url, prompt)
+        r = httpx.post(up.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=60)
+        assert r.json()["choices"][0]["text"] == want["text"], (dtype, prompt)
+        blocks = -(-r.json()["usage"]["prompt_tokens"] // 16)
+        now_pulled, now_saved = _pulled_and_saved(decode)
+        assert (now_pulled - pulled) + (now_saved - saved) == blocks * _block_bytes(dtype)
+        # The first is pulled whole; the others find the 7 full blocks of the shared 120
+        # tokens (of 125) in the decode's cache and pull only the 8th.
+        assert now_saved - saved == (7 * _block_bytes(dtype) if i else 0), i
+        pulled, saved = now_pulled, now_saved
+    _assert_pools_whole(prefill, decode)
 
 
 @pytest.mark.parametrize("setup", ["float32"], indirect=True)

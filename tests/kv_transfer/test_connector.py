@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import EngineConfig, KVTransferConfig
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator, chain_hashes
 from pdserve.engine.request import Request, RequestOutput, SamplingParams, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.base import Peer, Transport
@@ -74,6 +74,7 @@ class FakeEngine:
         self.config = EngineConfig(block_size=4, max_num_batched_tokens=64)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.config, self.allocator)
+        self.cache = SimpleNamespace(block_bytes=1000)
         self.tokenizer = SimpleNamespace(vocab_size=1000)
         self.failed: list[tuple[str, str]] = []
 
@@ -148,6 +149,42 @@ def test_pull_lands_and_request_runs_from_the_first_token():
     assert conn.metrics.transfers._value.get() == 1 and not conn.pulls
     (req2, n), = engine.scheduler.schedule().items
     assert req2 is req and n == 1  # only the first token is computed here
+
+
+def _cache_locally(engine: FakeEngine, tokens: list[int]) -> list[int]:
+    """Blocks of `tokens` computed here before, now free but still in the prefix cache."""
+    n = len(tokens) // engine.config.block_size
+    blocks = engine.allocator.allocate(n)
+    for block, h in zip(blocks, chain_hashes(tokens, engine.config.block_size, [], n),
+                        strict=True):
+        engine.allocator.cache(block, h)
+    engine.allocator.free(blocks)
+    return blocks
+
+
+def test_blocks_in_the_local_prefix_cache_are_not_pulled_again():
+    conn, engine, transport = make()
+    cached = _cache_locally(engine, list(range(8)))
+    req = decode_request()  # 10 prompt tokens: blocks 7, 8 (full) and 9 on the prefill
+    admit(conn, engine, req)
+    settle(conn)
+    (read,) = transport.reads
+    assert req.block_ids[:2] == cached and read.remote == [9] and read.local == req.block_ids[2:]
+    assert conn.metrics.bytes_saved._value.get() == 2000
+    read.state = "DONE"
+    conn.poll()
+    assert req.status is Status.RUNNING and req.num_computed_tokens == 10
+
+
+def test_a_full_local_hit_pulls_nothing_and_tells_the_prefill():
+    conn, engine, transport = make()
+    cached = _cache_locally(engine, list(range(8)))
+    req = decode_request(prompt_len=8, remote_block_ids=[7, 8])
+    admit(conn, engine, req)
+    settle(conn)
+    assert not transport.reads and transport.sent == [b"done:p1"] and not conn.pulls
+    assert req.block_ids == cached and req.status is Status.RUNNING
+    assert req.num_computed_tokens == 8
 
 
 def test_host_buffer_is_staged_in_before_the_request_runs():

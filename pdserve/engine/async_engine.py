@@ -57,6 +57,9 @@ class StreamingClient:
     def _done(self, request_id: str) -> None:
         """A request's stream closed (finished or aborted)."""
 
+    def healthy(self) -> bool:
+        return True
+
 
 class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine, registry: CollectorRegistry) -> None:

@@ -5,7 +5,8 @@ server that sends each request to the rank with the least outstanding work.
 Ranks talk to the server over local ZMQ (ipc) sockets, pickled messages: the server
 pushes ("add", Request) / ("abort", id) / ("metrics", n) / ("stop",) to each rank, and
 every rank pushes ("ready", rank, info, summary) / ("error", rank, msg) / ("out", outputs) /
-("metrics", n, families) back on one shared socket."""
+("metrics", n, families) back on one shared socket. A rank that dies fails its requests
+with an error, gets no more, and makes the server unhealthy (so it is restarted)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from prometheus_client.metrics_core import Metric
 
 from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
 from pdserve.engine.async_engine import StreamingClient
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestOutput
 
 log = logging.getLogger("pdserve.dp")
 
@@ -58,6 +59,7 @@ class DPEngine(StreamingClient):
         self.info: list[dict] = [{}] * size
         self.summaries = [""] * size
         self._owner: dict[str, int] = {}
+        self.dead: set[int] = set()
         self._metrics: dict[int, tuple[asyncio.Future, list]] = {}
         self._metrics_seq = 0
         self._procs = [self._spawn(RankSpec(r, config, kv, side_channel,
@@ -102,7 +104,11 @@ class DPEngine(StreamingClient):
                     log.error("engine rank %d is not reachable; dropped %s", rank, msg[0])
 
     def _add(self, req: Request) -> None:
-        rank = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
+        live = [r for r in range(len(self._procs)) if r not in self.dead]
+        if not live:
+            self._dispatch([_failed(req.request_id, "every engine rank has died")])
+            return
+        rank = min(live, key=self.outstanding.__getitem__)
         self._owner[req.request_id] = rank
         self.outstanding[rank] += 1
         self._send(rank, ("add", req))
@@ -121,13 +127,16 @@ class DPEngine(StreamingClient):
         self._metrics_seq += 1
         seq, fut = self._metrics_seq, loop.create_future()
         self._metrics[seq] = (fut, [])
-        for rank in range(len(self._procs)):
+        for rank in self._live():
             self._send(rank, ("metrics", seq))
         try:
             families = await asyncio.wait_for(fut, timeout=10)
         finally:
             self._metrics.pop(seq, None)
         return generate_latest(_Families(_merge(families)))
+
+    def healthy(self) -> bool:
+        return not self.dead
 
     def describe(self) -> str:
         return "; ".join(self.summaries)
@@ -144,16 +153,38 @@ class DPEngine(StreamingClient):
             if proc.is_alive():
                 proc.kill()
 
+    def _live(self) -> list[int]:
+        return [r for r in range(len(self._procs)) if r not in self.dead]
+
     def _read(self) -> None:
         while True:
+            if not self._pull.poll(1000):
+                self._watch()
+                continue
             msg = pickle.loads(self._pull.recv())
             if msg[0] == "out":
                 self._dispatch(msg[1])
             elif msg[0] == "metrics" and (entry := self._metrics.get(msg[1])) is not None:
                 fut, got = entry
                 got.append(msg[2])
-                if len(got) == len(self._procs):
+                if len(got) == len(self._live()):
                     fut.get_loop().call_soon_threadsafe(_resolve, fut, got)
+
+    def _watch(self) -> None:
+        """Fail the requests of ranks that died since the last look."""
+        for rank in self._live():
+            proc = self._procs[rank]
+            if proc.is_alive():
+                continue
+            self.dead.add(rank)
+            why = f"engine rank {rank} died (exit code {proc.exitcode})"
+            log.error("%s; failing its requests, the server reports unhealthy", why)
+            self._dispatch([_failed(rid, why) for rid, r in list(self._owner.items())
+                            if r == rank])
+
+
+def _failed(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(request_id, [], [], "", 0, 0, "error", error)
 
 
 def _resolve(fut: asyncio.Future, got: list) -> None:

@@ -52,8 +52,10 @@ def build_app(state: ServerState) -> FastAPI:
     require_api_key(app, state.api_key)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not state.engine.healthy():
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

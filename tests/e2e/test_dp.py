@@ -12,6 +12,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from tests.utils import free_port, metric, start_server, wait_for_metric
@@ -118,3 +119,29 @@ def test_side_channel_port_in_use_is_refused_clearly():
     assert f"127.0.0.1:{base + 1}" in proc.stderr and "in use" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_dead_rank_fails_its_requests_and_the_server_reports_unhealthy(servers):
+    # Runs last: it kills a rank of the DP2 decode server.
+    url = servers["d2"].url
+    ranks = [p for p in psutil.Process(servers["d2"].proc.pid).children()
+             if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+
+    def long_request() -> httpx.Response:
+        return httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0})
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(long_request) for _ in range(2)]  # one per rank
+        wait_for_metric(url, "pdserve_num_requests_running", 2, timeout=60)
+        ranks[0].kill()
+        answers = [f.result() for f in running]
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200, 500], [r.text for r in answers]
+    failed = next(r for r in answers if r.status_code == 500)
+    assert "engine rank" in failed.json()["error"]["message"] and "died" in failed.text
+    assert httpx.get(url + "/health").status_code == 503
+    # The live rank keeps serving, and gets every new request.
+    assert _complete(url, PROMPTS[1]) == _complete(servers["mono"].url, PROMPTS[1])

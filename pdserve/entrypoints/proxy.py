@@ -107,13 +107,15 @@ class Proxy:
             b.outstanding += 1
             start = time.monotonic()
             try:
-                return Sent(b, pool, await self.client.send(req, stream=stream), start,
-                            self.metrics)
+                resp = await self.client.send(req, stream=stream)
+                b.mark(reachable=True)
+                return Sent(b, pool, resp, start, self.metrics)
             except asyncio.CancelledError:  # our client went away
                 b.outstanding -= 1
                 raise
             except httpx.TransportError as e:
                 b.outstanding -= 1
+                b.mark(reachable=False)
                 self.metrics.retries.labels(b.url, pool.name).inc()
                 tried.append(f"{b.url} ({type(e).__name__})")
                 request_log(request_id).warning("%s backend %s unreachable: %s", pool.name,

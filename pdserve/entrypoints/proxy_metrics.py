@@ -36,11 +36,14 @@ class ProxyMetrics:
         queue = Gauge("pdserve_proxy_backend_queue", "A backend's queue as routing sees it: "
                       "in flight here, or its reported waiting requests if more", _BACKEND,
                       registry=r)
+        up = Gauge("pdserve_proxy_backend_up", "0 while a backend that was unreachable is "
+                   "tried last (for a few seconds after)", _BACKEND, registry=r)
         for pool in pools:
             for b in pool.backends:
+                up.labels(b.url, pool.name).set_function(_getter(b, "up"))
                 outstanding.labels(b.url, pool.name).set_function(_getter(b, "outstanding"))
                 queue.labels(b.url, pool.name).set_function(_getter(b, "queue"))
 
 
 def _getter(backend: Backend, attr: str):
-    return lambda: getattr(backend, attr)
+    return lambda: float(getattr(backend, attr))

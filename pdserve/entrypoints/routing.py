@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import itertools
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionReques
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 QUEUE_POLL_SECONDS = 0.5
+DOWN_SECONDS = 10.0  # a backend that refused a connection is tried last for this long
 
 
 @dataclass(slots=True)
@@ -25,6 +27,14 @@ class Backend:
     index: int = 0  # position in its pool: the prefix hash is keyed by it, not the URL
     outstanding: int = 0  # requests this proxy has sent and not yet finished
     reported_waiting: int = 0  # the backend's own pdserve_num_requests_waiting, polled
+    down_until: float = 0.0  # monotonic time; set when it was unreachable
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark(self, reachable: bool) -> None:
+        self.down_until = 0.0 if reachable else time.monotonic() + DOWN_SECONDS
 
     @property
     def queue(self) -> int:
@@ -46,8 +56,13 @@ class Pool:
             b.index = i
 
     def order(self, key: bytes | None = None) -> tuple[list[Backend], bool]:
-        """Backends in the order to try them, the policy's pick first; and whether the
-        prefix policy left the prompt's home instance because it was too busy."""
+        """Backends in the order to try them, the policy's pick first and those that were
+        recently unreachable last; and whether the prefix policy left the prompt's home
+        instance because it was too busy."""
+        backends, fell_back = self._by_policy(key)
+        return sorted(backends, key=lambda b: not b.up), fell_back  # stable: keeps the pick
+
+    def _by_policy(self, key: bytes | None) -> tuple[list[Backend], bool]:
         by_load = sorted(self.backends, key=lambda b: b.outstanding)
         if self.policy == "prefix" and key is not None:
             home = max(self.backends, key=lambda b: _score(key, b.index))

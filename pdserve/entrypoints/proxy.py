@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Coroutine
@@ -37,6 +38,7 @@ from pdserve.entrypoints.routing import (
 )
 
 log = logging.getLogger("pdserve.proxy")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class BackendDown(Exception):
@@ -175,7 +177,12 @@ def build_app(proxy: Proxy) -> FastAPI:
 
 async def _handle(proxy: Proxy, request: Request, path: str) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    response = await _respond(proxy, request, path, request_id)
+    if _REQUEST_ID.fullmatch(request_id):
+        response = await _respond(proxy, request, path, request_id)
+    else:  # it goes into backends' headers and everyone's logs
+        request_id = uuid.uuid4().hex
+        response = _refuse(request_id, "X-Request-Id must be 1 to 256 printable ASCII "
+                                       "characters")
     response.headers["X-Request-Id"] = request_id
     proxy.metrics.requests.labels(path, _outcome(response.status_code)).inc()
     return response

@@ -67,3 +67,12 @@ def test_one_request_id_on_both_legs_and_in_the_answer(proxy, given):
     assert prefill["max_tokens"] == 1 and prefill["kv_transfer_params"]["do_remote_decode"]
     assert decode["max_tokens"] == 5 and decode["kv_transfer_params"] == PARAMS
     assert f"request {rid}: prefill " in proxy.log()
+
+
+def test_an_unusable_request_id_is_refused(proxy):
+    for bad in ("x" * 300, "caf\xe9", "two words"):
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi"},
+                       headers={"X-Request-Id": bad.encode("latin-1")}, timeout=30)
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], bad
+        assert len(r.headers["x-request-id"]) == 32  # a fresh one, to find it in the log
+    assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200

@@ -86,3 +86,18 @@ def test_unreachable_backends_are_tried_last_for_a_while():
     assert _urls(pool.order()[0]) == ["http://b0", "http://b2", "http://b1"]
     pool.backends[1].mark(reachable=True)
     assert _urls(pool.order()[0]) == ["http://b1", "http://b2", "http://b0"]  # its turn
+
+
+def test_up_passes_the_routing_flags_to_its_proxy():
+    import argparse
+
+    from pdserve.entrypoints import up
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(sub)
+    args = sub.choices["up"].parse_args(["--policy", "prefix", "--local-prefill-below", "128",
+                                         "--model", "/m/x.gguf"])
+    proxy = up.plan(args, [])[-1].argv
+    flags = " ".join(proxy[proxy.index("proxy"):])
+    assert "--policy prefix" in flags and "--local-prefill-below 128" in flags
+    assert "--tokenizer /m/x.gguf" in flags and "--max-prefill-queue" not in flags

@@ -1,7 +1,8 @@
 """The proxy's routing on real processes: two prefill and two decode servers (real NIXL,
 float32) behind three proxies. Its /metrics and request ids; conditional disaggregation by
 prompt length and by prefill queue, token-identical to a monolithic answer either way;
-prefix-aware routing keeps a shared prefix on one prefill/decode pair and spreads others.
+prefix-aware routing keeps a shared prefix on one prefill/decode pair, spreads others and
+leaves a busy home.
 
 The monolithic reference is a plain request (no kv_transfer_params) sent straight to the
 decode the proxies do not use, D1 for the conditional proxy: a `pdserve serve` that
@@ -41,7 +42,8 @@ def cluster():
         "plain": proxy([dead, p0.url], [d0.url]),  # round robin: the dead one first
         "cond": proxy([p0.url], [d0.url], "--local-prefill-below", str(LOCAL_BELOW),
                       "--max-prefill-queue", "0"),
-        "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix"),
+        "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix",
+                        "--prefix-max-imbalance", "0"),  # leave home when it is busier
     }
     yield {"p0": p0.url, "p1": p1.url, "d0": d0.url, "d1": d1.url, "dead": dead, **proxies}
     stop(*proxies.values(), *servers)
@@ -178,6 +180,24 @@ def test_prefix_policy_keeps_a_prefix_on_one_pair_and_spreads_others(cluster):
     assert sum(moved[:2]) == 8 and min(moved) >= 1, moved
     assert metric(proxy, "pdserve_proxy_prefix_fallbacks_total") == 0  # sequential: idle
     pools_whole(*prefill, *decode)
+
+
+def test_prefix_policy_leaves_a_busy_home(cluster):
+    proxy, prefill = cluster["prefix"].url, (cluster["p0"], cluster["p1"])
+
+    def counts() -> list[float]:
+        return [metric(proxy, "pdserve_proxy_backend_requests_total", backend=b) for b in prefill]
+
+    before = counts()
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(_complete, proxy, "Case file 7. " + LONG, 2)
+        _wait(lambda: metric(proxy, "pdserve_proxy_backend_outstanding", role="prefill") == 1)
+        # Same prefix, but its home prefill is busy and the other is idle.
+        _complete(proxy, "Case file 7. " + PASSAGE[:400] + "Why?", 2).raise_for_status()
+        assert long.result().status_code == 200
+    assert [a - b for a, b in zip(counts(), before, strict=True)] == [1, 1]
+    assert metric(proxy, "pdserve_proxy_prefix_fallbacks_total", role="prefill") == 1
+    pools_whole(*prefill, cluster["d0"], cluster["d1"])
 
 
 def _wait(cond, timeout: float = 60) -> None:

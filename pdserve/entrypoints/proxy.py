@@ -26,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.entrypoints.protocol import error_body, require_api_key
-from pdserve.entrypoints.proxy_metrics import ProxyMetrics
+from pdserve.entrypoints.proxy_metrics import ProxyMetrics, outcome
 from pdserve.entrypoints.routing import (
     Backend,
     Disaggregation,
     Pool,
     PromptTokens,
     add_routing_args,
+    check_routing_args,
     poll_queues,
     prefix_key,
 )
@@ -184,7 +185,7 @@ async def _handle(proxy: Proxy, request: Request, path: str) -> Response:
         response = _refuse(request_id, "X-Request-Id must be 1 to 256 printable ASCII "
                                        "characters")
     response.headers["X-Request-Id"] = request_id
-    proxy.metrics.requests.labels(path, _outcome(response.status_code)).inc()
+    proxy.metrics.requests.labels(path, outcome(response.status_code)).inc()
     return response
 
 
@@ -208,16 +209,6 @@ def _refuse(request_id: str, message: str) -> JSONResponse:
     return _error(400, message)
 
 
-def _outcome(status: int) -> str:
-    if status < 400:
-        return "ok"
-    if status == 499:
-        return "cancelled"
-    if status == 503:
-        return "unavailable"
-    return "client_error" if status < 500 else "server_error"
-
-
 async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
                     stream: bool) -> Response:
     """One request through the tiers: prefill then decode, or a decode alone."""
@@ -225,14 +216,21 @@ async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
     tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None
     key = prefix_key(tokens, proxy.prefix_tokens)
     reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill)
-    proxy.metrics.routes.labels("local" if reason else "remote",
-                                reason or "disaggregated").inc()
     try:
-        if reason:  # a plain request: the decode prefills it itself, as a monolith would
+        if reason is None:
+            try:
+                params, error, via = await _prefill(proxy, path, body, request_id, key)
+            except BackendDown as e:
+                if proxy.disagg.max_prefill_queue is None:  # no overflow to the decodes
+                    raise
+                rlog.warning("%s", e)
+                reason = "prefill_down"
+        if reason is not None:  # a plain request: the decode prefills it, as a monolith
+            proxy.metrics.routes.labels("local", reason).inc()
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             return await _decode(proxy, path, body, request_id, stream, key,
                                  f"local prefill ({reason})")
-        params, error, via = await _prefill(proxy, path, body, request_id, key)
+        proxy.metrics.routes.labels("remote", "disaggregated").inc()
         if error is not None:
             rlog.info("prefill %s answered %d", via, error.status_code)
             return error
@@ -331,12 +329,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.config import ConfigError
     from pdserve.model.loader import ModelLoadError
 
-    for flag, value, least in (("--prefix-tokens", args.prefix_tokens, 1),
-                               ("--local-prefill-below", args.local_prefill_below, 1),
-                               ("--prefix-max-imbalance", args.prefix_max_imbalance, 0),
-                               ("--max-prefill-queue", args.max_prefill_queue, 0)):
-        if value is not None and value < least:
-            raise ConfigError(f"{flag} must be at least {least}, not {value}")
+    if problem := check_routing_args(args):
+        raise ConfigError(problem)
 
     def pool(name: str, urls: list[str]) -> Pool:
         return Pool(name, [Backend(u.rstrip("/")) for u in urls], args.policy,
@@ -353,16 +347,8 @@ def run(args: argparse.Namespace) -> int:
                   args.api_key, args.backend_api_key or args.api_key,
                   Disaggregation(args.local_prefill_below, args.max_prefill_queue),
                   prompt_tokens, args.prefix_tokens)
-    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s%s", args.host, args.port,
-             " ".join(args.prefill), " ".join(args.decode), args.policy, _local_note(args))
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), args.policy, proxy.disagg)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
     return 0
 
-
-def _local_note(args: argparse.Namespace) -> str:
-    notes = []
-    if args.local_prefill_below is not None:
-        notes.append(f"prompts under {args.local_prefill_below} tokens")
-    if args.max_prefill_queue is not None:
-        notes.append(f"while every prefill queues over {args.max_prefill_queue}")
-    return f"; local prefill for {' and '.join(notes)}" if notes else ""

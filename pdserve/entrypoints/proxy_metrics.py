@@ -47,3 +47,14 @@ class ProxyMetrics:
 
 def _getter(backend: Backend, attr: str):
     return lambda: float(getattr(backend, attr))
+
+
+def outcome(status: int) -> str:
+    """The `outcome` label of a client request answered with `status`."""
+    if status < 400:
+        return "ok"
+    if status == 499:
+        return "cancelled"
+    if status == 503:
+        return "unavailable"
+    return "client_error" if status < 500 else "server_error"

@@ -86,7 +86,8 @@ def prefix_key(token_ids: list[int] | None, num_tokens: int) -> bytes | None:
     """The routing key of a prompt: its first `num_tokens` token ids."""
     if not token_ids:
         return None
-    return b"".join(t.to_bytes(4, "little") for t in token_ids[:num_tokens])
+    # As text: ids out of any range (the backend refuses them) must not fail here.
+    return ",".join(map(str, token_ids[:num_tokens])).encode()
 
 
 @dataclass(slots=True)
@@ -100,8 +101,12 @@ class Disaggregation:
         if self.local_prefill_below is not None and num_tokens is not None \
                 and num_tokens < self.local_prefill_below:
             return "short_prompt"
-        if self.max_prefill_queue is not None and \
-                all(b.queue > self.max_prefill_queue for b in prefill.backends):
+        if self.max_prefill_queue is None:
+            return None
+        live = [b for b in prefill.backends if b.up]
+        if not live:  # every prefill refused a connection just now: the decodes can serve
+            return "prefill_down"
+        if all(b.queue > self.max_prefill_queue for b in live):
             return "prefill_busy"
         return None
 
@@ -166,6 +171,17 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "send new ones straight to a decode")
     p.add_argument("--tokenizer", default=None, help="the served model's HF folder or .gguf, "
                    "to count prompt tokens (default: the embedded model)")
+
+
+def check_routing_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the routing flags, if anything."""
+    for flag, value, least in (("--prefix-tokens", args.prefix_tokens, 1),
+                               ("--local-prefill-below", args.local_prefill_below, 1),
+                               ("--prefix-max-imbalance", args.prefix_max_imbalance, 0),
+                               ("--max-prefill-queue", args.max_prefill_queue, 0)):
+        if value is not None and value < least:
+            return f"{flag} must be at least {least}, not {value}"
+    return None
 
 
 def routing_argv(args: argparse.Namespace) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdserve.entrypoints.routing import add_routing_args, routing_argv
+from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
 
 log = logging.getLogger("pdserve.up")
 
@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.prefill_dp, args.decode_dp) < 1:
         print("pdserve: error: --prefill, --decode and their -dp sizes must be at least 1",
               file=sys.stderr)
+        return 2
+    if problem := check_routing_args(args):
+        print(f"pdserve: error: {problem}", file=sys.stderr)
         return 2
     instances = plan(args, engine_argv(args))
     stopping = False

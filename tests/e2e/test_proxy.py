@@ -42,6 +42,7 @@ def cluster():
         "plain": proxy([dead, p0.url], [d0.url]),  # round robin: the dead one first
         "cond": proxy([p0.url], [d0.url], "--local-prefill-below", str(LOCAL_BELOW),
                       "--max-prefill-queue", "0"),
+        "overflow": proxy([dead], [d0.url], "--max-prefill-queue", "4"),  # no prefill up
         "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix",
                         "--prefix-max-imbalance", "0"),  # leave home when it is busier
     }
@@ -155,6 +156,17 @@ def test_busy_prefill_tier_sends_new_requests_to_the_decode(cluster):
     assert _tokens(_complete(cond, mid)) == want
     assert _route(cond, "remote", "disaggregated") - remote_before == 1
     pools_whole(p0, d0)
+
+
+def test_with_no_prefill_reachable_the_decode_serves_alone(cluster):
+    overflow, d0, ref, dead = (cluster["overflow"].url, cluster["d0"], cluster["d1"],
+                               cluster["dead"])
+    want = _tokens(_complete(ref, SHORT))
+    for stream in (False, True):  # the first finds the prefill down, the next knows it
+        assert _tokens(_complete(overflow, SHORT, stream=stream)) == want
+    assert _route(overflow, "local", "prefill_down") == 2
+    assert metric(overflow, "pdserve_proxy_retries_total", backend=dead) >= 1
+    pools_whole(d0)
 
 
 def test_prefix_policy_keeps_a_prefix_on_one_pair_and_spreads_others(cluster):

@@ -46,6 +46,7 @@ def test_prefix_policy_is_sticky_spreads_and_falls_back_when_busy():
 def test_prefix_key_is_the_leading_tokens():
     assert prefix_key([1, 2, 3], 2) == prefix_key([1, 2, 9], 2) != prefix_key([1, 3], 2)
     assert prefix_key([], 4) is None and prefix_key(None, 4) is None
+    assert prefix_key([-1, 2**70], 4) != prefix_key([1, 2**70], 4)  # the backend refuses
 
 
 def test_local_prefill_by_length_and_by_queue():
@@ -57,6 +58,12 @@ def test_local_prefill_by_length_and_by_queue():
     assert d.local_reason(50, pool) is None  # one prefill still has room
     pool.backends[1].reported_waiting = 2  # other clients' queue, seen in its /metrics
     assert d.local_reason(50, pool) == "prefill_busy"
+    pool.backends[0].outstanding = 0
+    assert d.local_reason(50, pool) is None
+    pool.backends[0].mark(reachable=False)  # room there, but it is down: does not count
+    assert d.local_reason(50, pool) == "prefill_busy"
+    pool.backends[1].mark(reachable=False)
+    assert d.local_reason(50, pool) == "prefill_down"
     assert Disaggregation().local_reason(1, pool) is None  # off by default
 
 

@@ -34,15 +34,16 @@ def cluster():
     p0, p1, d0, d1 = servers
     dead = f"http://127.0.0.1:{free_port()}"
 
-    def proxy(prefill: list[str], decode: list[str], *args: str):
+    def proxy(prefill: list[str], decode: list[str], *args: str, health: str = "/health"):
         return start_server(["proxy", "--port", str(free_port()), "--prefill", *prefill,
-                             "--decode", *decode, *args])
+                             "--decode", *decode, *args], health=health)
 
     proxies = {
         "plain": proxy([dead, p0.url], [d0.url]),  # round robin: the dead one first
         "cond": proxy([p0.url], [d0.url], "--local-prefill-below", str(LOCAL_BELOW),
                       "--max-prefill-queue", "0"),
-        "overflow": proxy([dead], [d0.url], "--max-prefill-queue", "4"),  # no prefill up
+        "overflow": proxy([dead], [d0.url], "--max-prefill-queue", "4",  # no prefill up,
+                          health="/v1/models"),  # so its /health says 503
         "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix",
                         "--prefix-max-imbalance", "0"),  # leave home when it is busier
     }

@@ -87,11 +87,13 @@ def start_server(args: list[str], url: str | None = None, timeout: float = 180,
                        f"{server.log()[-4000:]}")
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of a Prometheus metric over its label sets."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric over its label sets (those with all of `labels`)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.M)
-    return sum(float(v) for v in pattern.findall(text))
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", re.M)
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    return sum(float(v) for found, v in pattern.findall(text)
+               if want <= set(found.split(",")))
 
 
 def wait_for_metric(url: str, name: str, value: float, timeout: float = 10) -> None:

@@ -17,7 +17,11 @@ from pathlib import Path
 from pdserve.bench import serve
 from pdserve.bench.launch import free_port, launched, up_layout
 
-LAYOUTS = ("tp1", "dp2", "1p1d")
+LAYOUTS = ("tp1", "dp2", "1p1d", "1p1d-cond")
+# `pdserve up` layouts and their flags: 1p1d-cond prefills short prompts, and every prompt
+# while the prefill already queues one, on the decode (conditional disaggregation).
+UP_LAYOUTS = {"1p1d": [],
+              "1p1d-cond": ["--local-prefill-below", "128", "--max-prefill-queue", "1"]}
 
 
 @dataclass(slots=True)
@@ -37,8 +41,8 @@ class Scenario:
 
 def start(layout: str, dtype: str) -> tuple[AbstractContextManager, str]:
     """The layout as `pdserve serve` / `pdserve up` start it by default; its URL."""
-    if layout == "1p1d":
-        argv, proxy, prefill, decode = up_layout(["--dtype", dtype])
+    if layout in UP_LAYOUTS:
+        argv, proxy, prefill, decode = up_layout(["--dtype", dtype, *UP_LAYOUTS[layout]])
         return launched(argv, [prefill, decode, proxy]), proxy
     port = free_port()
     dp = {"tp1": "1", "dp2": "2"}[layout]

@@ -1,5 +1,7 @@
 """`pdserve proxy`: sends each request to a prefill (max_tokens=1, do_remote_decode), then
 to a decode with the kv_transfer_params the prefill returned; streams the decode's answer.
+Short prompts, or all prompts while the prefill tier is backed up, may go straight to a
+decode, which then prefills them itself.
 
 Speaks vLLM's P/D HTTP protocol, so it can front vLLM instances as well as pdserve."""
 
@@ -7,50 +9,67 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import os
+import re
+import time
 import uuid
 from collections.abc import Coroutine
-from contextlib import suppress
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.entrypoints.protocol import error_body, require_api_key
+from pdserve.entrypoints.proxy_metrics import ProxyMetrics, outcome
+from pdserve.entrypoints.routing import (
+    Backend,
+    Disaggregation,
+    Pool,
+    PromptTokens,
+    add_routing_args,
+    check_routing_args,
+    poll_queues,
+    prefix_key,
+)
 
 log = logging.getLogger("pdserve.proxy")
-
-
-@dataclass(slots=True)
-class Backend:
-    url: str
-    outstanding: int = 0
-
-
-@dataclass(slots=True)
-class Pool:
-    """Backends of one tier and the policy that picks among them."""
-    name: str
-    backends: list[Backend]
-    policy: str = "round_robin"
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def order(self) -> list[Backend]:
-        """Backends in the order to try them: the policy's pick first."""
-        n = len(self.backends)
-        if self.policy == "least_loaded":
-            return sorted(self.backends, key=lambda b: b.outstanding)
-        start = next(self._turn) % n
-        return self.backends[start:] + self.backends[:start]
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class BackendDown(Exception):
     pass
+
+
+def request_log(request_id: str) -> logging.LoggerAdapter:
+    """The proxy's logger with every line prefixed by the request's id."""
+    return _RequestLog(log, {"request_id": request_id})
+
+
+class _RequestLog(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"request {self.extra['request_id']}: {msg}", kwargs
+
+
+@dataclass(slots=True)
+class Sent:
+    """A backend's answer being read; finish() once it has been read or dropped."""
+    backend: Backend
+    pool: Pool
+    resp: httpx.Response
+    start: float
+    metrics: ProxyMetrics
+
+    def finish(self) -> None:
+        self.backend.outstanding -= 1
+        labels = (self.backend.url, self.pool.name)
+        self.metrics.backend_seconds.labels(*labels).observe(time.monotonic() - self.start)
+        self.metrics.backend_requests.labels(*labels, str(self.resp.status_code)).inc()
 
 
 @dataclass(slots=True)
@@ -60,6 +79,13 @@ class Proxy:
     client: httpx.AsyncClient
     api_key: str | None = None
     backend_key: str | None = None
+    disagg: Disaggregation = field(default_factory=Disaggregation)
+    prompt_tokens: PromptTokens | None = None  # loaded only when routing needs counts
+    prefix_tokens: int = 64  # the prefix policy's key: this many leading prompt tokens
+    metrics: ProxyMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ProxyMetrics([self.prefill, self.decode])
 
     def headers(self, request_id: str) -> dict[str, str]:
         h = {"X-Request-Id": request_id}
@@ -68,32 +94,48 @@ class Proxy:
         return h
 
     async def post(self, pool: Pool, path: str, body: dict, request_id: str,
-                   stream: bool) -> tuple[Backend, httpx.Response]:
+                   stream: bool, key: bytes | None = None) -> Sent:
         """POST to the first backend of `pool` that answers; BackendDown if none does."""
         tried = []
         # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
         # (json.loads took them); the backend judges the body, not the proxy.
         content = json.dumps(body, separators=(",", ":"))
         headers = {**self.headers(request_id), "Content-Type": "application/json"}
-        for b in pool.order():
+        backends, fell_back = pool.order(key)
+        if fell_back:
+            self.metrics.prefix_fallbacks.labels(pool.name).inc()
+        for b in backends:
             req = self.client.build_request("POST", b.url + path, content=content,
                                             headers=headers)
+            b.outstanding += 1
+            start = time.monotonic()
             try:
-                b.outstanding += 1
                 resp = await self.client.send(req, stream=stream)
-                return b, resp
+                b.mark(reachable=True)
+                return Sent(b, pool, resp, start, self.metrics)
             except asyncio.CancelledError:  # our client went away
                 b.outstanding -= 1
                 raise
             except httpx.TransportError as e:
                 b.outstanding -= 1
+                b.mark(reachable=False)
+                self.metrics.retries.labels(b.url, pool.name).inc()
                 tried.append(f"{b.url} ({type(e).__name__})")
-                log.warning("%s backend %s unreachable: %s", pool.name, b.url, e)
+                request_log(request_id).warning("%s backend %s unreachable: %s", pool.name,
+                                                b.url, e)
         raise BackendDown(f"no {pool.name} backend is reachable: {', '.join(tried)}")
 
 
 def build_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="pdserve proxy")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        poll = proxy.disagg.max_prefill_queue is not None
+        task = asyncio.create_task(poll_queues(proxy.client, proxy.prefill)) if poll else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan)
 
     require_api_key(app, proxy.api_key)
 
@@ -109,9 +151,13 @@ def build_app(proxy: Proxy) -> FastAPI:
             "backends": {u: "ok" if up else "down" for t in tiers.values() for u, up in t.items()},
         }, status_code=200 if usable else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> Response:
-        for b in proxy.decode.order():
+        for b in proxy.decode.order()[0]:
             try:
                 r = await proxy.client.get(b.url + "/v1/models", headers=proxy.headers("models"))
                 return Response(r.content, r.status_code, media_type="application/json")
@@ -131,30 +177,68 @@ def build_app(proxy: Proxy) -> FastAPI:
 
 
 async def _handle(proxy: Proxy, request: Request, path: str) -> Response:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    if _REQUEST_ID.fullmatch(request_id):
+        response = await _respond(proxy, request, path, request_id)
+    else:  # it goes into backends' headers and everyone's logs
+        request_id = uuid.uuid4().hex
+        response = _refuse(request_id, "X-Request-Id must be 1 to 256 printable ASCII "
+                                       "characters")
+    response.headers["X-Request-Id"] = request_id
+    proxy.metrics.requests.labels(path, outcome(response.status_code)).inc()
+    return response
+
+
+async def _respond(proxy: Proxy, request: Request, path: str, request_id: str) -> Response:
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _error(400, f"request body is not valid JSON: {e}")
+        return _refuse(request_id, f"request body is not valid JSON: {e}")
     except RecursionError:
-        return _error(400, "request body is nested too deeply")
+        return _refuse(request_id, "request body is nested too deeply")
     if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object")
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return _refuse(request_id, "request body must be a JSON object")
     stream = bool(body.get("stream"))
     exchange = _exchange(proxy, path, body, request_id, stream)
     # A streamed answer notices a gone client when a write fails; a plain one must watch.
     return await (exchange if stream else _unless_gone(request, exchange))
 
 
+def _refuse(request_id: str, message: str) -> JSONResponse:
+    request_log(request_id).info("refused: %s", message)
+    return _error(400, message)
+
+
 async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
                     stream: bool) -> Response:
+    """One request through the tiers: prefill then decode, or a decode alone."""
+    rlog = request_log(request_id)
+    tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None
+    key = prefix_key(tokens, proxy.prefix_tokens)
+    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill)
     try:
-        params, error = await _prefill(proxy, path, body, request_id)
+        if reason is None:
+            try:
+                params, error, via = await _prefill(proxy, path, body, request_id, key)
+            except BackendDown as e:
+                if proxy.disagg.max_prefill_queue is None:  # no overflow to the decodes
+                    raise
+                rlog.warning("%s", e)
+                reason = "prefill_down"
+        if reason is not None:  # a plain request: the decode prefills it, as a monolith
+            proxy.metrics.routes.labels("local", reason).inc()
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            return await _decode(proxy, path, body, request_id, stream, key,
+                                 f"local prefill ({reason})")
+        proxy.metrics.routes.labels("remote", "disaggregated").inc()
         if error is not None:
+            rlog.info("prefill %s answered %d", via, error.status_code)
             return error
         decode_body = {**body, "kv_transfer_params": params}
-        return await _decode(proxy, path, decode_body, request_id, stream)
+        return await _decode(proxy, path, decode_body, request_id, stream, key,
+                             f"prefill {via}")
     except BackendDown as e:
+        rlog.warning("%s", e)
         return _error(503, str(e), "service_unavailable")
 
 
@@ -171,9 +255,10 @@ async def _unless_gone(request: Request, exchange: Coroutine[Any, Any, Response]
     return task.result()
 
 
-async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str
-                   ) -> tuple[dict | None, Response | None]:
-    """Run the prompt on a prefill; returns its kv_transfer_params, or an error to relay."""
+async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str, key: bytes | None
+                   ) -> tuple[dict | None, Response | None, str]:
+    """Run the prompt on a prefill; returns its kv_transfer_params or an error to relay,
+    and the prefill's URL."""
     pbody = {**body, "max_tokens": 1, "stream": False,
              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                     "remote_engine_id": None, "remote_block_ids": None,
@@ -181,35 +266,38 @@ async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str
     pbody.pop("stream_options", None)
     if "max_completion_tokens" in pbody:
         pbody["max_completion_tokens"] = 1
-    backend, resp = await proxy.post(proxy.prefill, path, pbody, request_id, stream=False)
-    backend.outstanding -= 1
+    sent = await proxy.post(proxy.prefill, path, pbody, request_id, stream=False, key=key)
+    sent.finish()
+    resp = sent.resp
     if resp.status_code != 200:
-        return None, Response(resp.content, resp.status_code, media_type="application/json")
-    return resp.json().get("kv_transfer_params"), None
+        error = Response(resp.content, resp.status_code, media_type="application/json")
+        return None, error, sent.backend.url
+    return resp.json().get("kv_transfer_params"), None, sent.backend.url
 
 
-async def _decode(proxy: Proxy, path: str, body: dict, request_id: str,
-                  stream: bool) -> Response:
-    backend, resp = await proxy.post(proxy.decode, path, body, request_id, stream=True)
-    headers = {"X-Request-Id": request_id}
+async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: bool,
+                  key: bytes | None, via: str) -> Response:
+    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=key)
+    resp = sent.resp
+    request_log(request_id).info("%s -> decode %s answered %d", via, sent.backend.url,
+                                 resp.status_code)
     if not stream or resp.status_code != 200:
         try:
             content = await resp.aread()
         finally:
-            backend.outstanding -= 1
+            sent.finish()
             await resp.aclose()
-        return Response(content, resp.status_code, media_type="application/json",
-                        headers=headers)
+        return Response(content, resp.status_code, media_type="application/json")
 
     async def relay():
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
         finally:  # also when the client goes away: closing aborts the decode's request
-            backend.outstanding -= 1
+            sent.finish()
             await resp.aclose()
 
-    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(relay(), media_type="text/event-stream")
 
 
 async def _check(client: httpx.AsyncClient, url: str) -> bool:
@@ -229,7 +317,7 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--backend-api-key", default=None, help="default: --api-key")
     p.set_defaults(run=run)
@@ -238,15 +326,29 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    def pool(name: str, urls: list[str]) -> Pool:
-        return Pool(name, [Backend(u.rstrip("/")) for u in urls], args.policy)
+    from pdserve.config import ConfigError
+    from pdserve.model.loader import ModelLoadError
 
+    if problem := check_routing_args(args):
+        raise ConfigError(problem)
+
+    def pool(name: str, urls: list[str]) -> Pool:
+        return Pool(name, [Backend(u.rstrip("/")) for u in urls], args.policy,
+                    args.prefix_max_imbalance)
+
+    try:  # token counts only where routing needs them: the tokenizer costs a torch import
+        counted = args.policy == "prefix" or args.local_prefill_below is not None
+        prompt_tokens = PromptTokens(args.tokenizer) if counted else None
+    except ModelLoadError as e:
+        raise ConfigError(f"cannot load the tokenizer: {e}") from None
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
     proxy = Proxy(pool("prefill", args.prefill), pool("decode", args.decode), client,
-                  args.api_key, args.backend_api_key or args.api_key)
-    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s", args.host, args.port,
-             " ".join(args.prefill), " ".join(args.decode), args.policy)
+                  args.api_key, args.backend_api_key or args.api_key,
+                  Disaggregation(args.local_prefill_below, args.max_prefill_queue),
+                  prompt_tokens, args.prefix_tokens)
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), args.policy, proxy.disagg)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
+
 log = logging.getLogger("pdserve.up")
 
 
@@ -44,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="the proxy's port")
     p.add_argument("--base-port", type=int, default=8100, help="first instance's HTTP port")
     p.add_argument("--side-channel-base-port", type=int, default=5600)
-    p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--startup-timeout", type=float, default=300)
     add_engine_args(p)
@@ -87,7 +89,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
     prefills = [i.url for i in out if i.name.startswith("prefill")]
     decodes = [i.url for i in out if i.name.startswith("decode")]
     proxy = [sys.executable, "-m", "pdserve.entrypoints.cli", "proxy", "--host", args.host,
-             "--port", str(args.port), "--policy", args.policy,
+             "--port", str(args.port), *routing_argv(args),
              "--prefill", *prefills, "--decode", *decodes]
     if args.api_key:
         proxy += ["--api-key", args.api_key]
@@ -110,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.prefill_dp, args.decode_dp) < 1:
         print("pdserve: error: --prefill, --decode and their -dp sizes must be at least 1",
               file=sys.stderr)
+        return 2
+    if problem := check_routing_args(args):
+        print(f"pdserve: error: {problem}", file=sys.stderr)
         return 2
     instances = plan(args, engine_argv(args))
     stopping = False

@@ -27,7 +27,9 @@ ABSENT = object()
 def pd():
     kv = kv_config(kv_lease_duration=LEASE, handshake_timeout=1)
     prefill, decode = serve(kv), serve(kv)
-    front = proxy(prefill, decode)
+    # Routing that reads the prompt (token counts, prefix keys) sees the junk too.
+    front = proxy(prefill, decode, "--policy", "prefix", "--local-prefill-below", "8",
+                  "--max-prefill-queue", "4")
     info = httpx.get(prefill.url + "/v1/kv_transfer/info").json()["ranks"][0]
     yield prefill, decode, front, info
     stop(front, prefill, decode)

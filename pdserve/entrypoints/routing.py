@@ -1,0 +1,197 @@
+"""How the proxy picks backends: per-tier policies (round robin, least loaded, prefix
+affinity) and the choice between disaggregated and local prefill."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+POLICIES = ("round_robin", "least_loaded", "prefix")
+QUEUE_POLL_SECONDS = 0.5
+DOWN_SECONDS = 10.0  # a backend that refused a connection is tried last for this long
+
+
+@dataclass(slots=True)
+class Backend:
+    url: str
+    index: int = 0  # position in its pool: the prefix hash is keyed by it, not the URL
+    outstanding: int = 0  # requests this proxy has sent and not yet finished
+    reported_waiting: int = 0  # the backend's own pdserve_num_requests_waiting, polled
+    down_until: float = 0.0  # monotonic time; set when it was unreachable
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark(self, reachable: bool) -> None:
+        self.down_until = 0.0 if reachable else time.monotonic() + DOWN_SECONDS
+
+    @property
+    def queue(self) -> int:
+        """Requests queued or in flight there: ours, or all clients' if it reports more."""
+        return max(self.outstanding, self.reported_waiting)
+
+
+@dataclass(slots=True)
+class Pool:
+    """Backends of one tier and the policy that picks among them."""
+    name: str
+    backends: list[Backend]
+    policy: str = "round_robin"
+    max_imbalance: int = 4  # prefix policy: how much busier than the idlest its home may be
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        for i, b in enumerate(self.backends):
+            b.index = i
+
+    def order(self, key: bytes | None = None) -> tuple[list[Backend], bool]:
+        """Backends in the order to try them, the policy's pick first and those that were
+        recently unreachable last; and whether the prefix policy left the prompt's home
+        instance because it was too busy."""
+        backends, fell_back = self._by_policy(key)
+        return sorted(backends, key=lambda b: not b.up), fell_back  # stable: keeps the pick
+
+    def _by_policy(self, key: bytes | None) -> tuple[list[Backend], bool]:
+        by_load = sorted(self.backends, key=lambda b: b.outstanding)
+        if self.policy == "prefix" and key is not None:
+            home = max(self.backends, key=lambda b: _score(key, b.index))
+            if home.outstanding - by_load[0].outstanding <= self.max_imbalance:
+                return [home, *(b for b in by_load if b is not home)], False
+            return by_load, True
+        if self.policy in ("least_loaded", "prefix"):
+            return by_load, False
+        start = next(self._turn) % len(self.backends)
+        return self.backends[start:] + self.backends[:start], False
+
+
+def _score(key: bytes, index: int) -> int:
+    """Rendezvous hashing: each prefix ranks the backends in its own fixed order, so adding
+    a backend moves only the prefixes it now wins."""
+    digest = hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def prefix_key(token_ids: list[int] | None, num_tokens: int) -> bytes | None:
+    """The routing key of a prompt: its first `num_tokens` token ids."""
+    if not token_ids:
+        return None
+    # As text: ids out of any range (the backend refuses them) must not fail here.
+    return ",".join(map(str, token_ids[:num_tokens])).encode()
+
+
+@dataclass(slots=True)
+class Disaggregation:
+    """When to skip the prefill tier and let a decode instance prefill the prompt itself."""
+    local_prefill_below: int | None = None  # prompt tokens
+    max_prefill_queue: int | None = None
+
+    def local_reason(self, num_tokens: int | None, prefill: Pool) -> str | None:
+        """Why this prompt should be prefilled on the decode, or None to disaggregate."""
+        if self.local_prefill_below is not None and num_tokens is not None \
+                and num_tokens < self.local_prefill_below:
+            return "short_prompt"
+        if self.max_prefill_queue is None:
+            return None
+        live = [b for b in prefill.backends if b.up]
+        if not live:  # every prefill refused a connection just now: the decodes can serve
+            return "prefill_down"
+        if all(b.queue > self.max_prefill_queue for b in live):
+            return "prefill_busy"
+        return None
+
+
+class PromptTokens:
+    """Token ids of a request's prompt, as the backends will count them: the served
+    model's tokenizer and chat template, run here. No round trip to a backend, and it
+    works in front of any OpenAI server (vLLM's /tokenize is not everywhere)."""
+
+    def __init__(self, model: str | None) -> None:
+        from pdserve.model.loader import resolve  # imports torch: only when asked for
+        from pdserve.model.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_folder(resolve(model), [])  # counting needs no eos
+
+    def __call__(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """None where the body is not a valid request: the backend will say why."""
+        try:
+            if path.endswith("/chat/completions"):
+                req = ChatCompletionRequest.model_validate(body)
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages])
+            else:
+                text = CompletionRequest.model_validate(body).single_prompt()
+                if isinstance(text, list):
+                    return text
+            return self.tokenizer.encode(text)
+        except Exception:  # pydantic, the template or `tokenizers` (bare Exceptions)
+            return None
+
+
+async def poll_queues(client: httpx.AsyncClient, pool: Pool) -> None:
+    """Keep each prefill's own count of waiting requests fresh: other proxies' and
+    clients' requests queue there too, which our outstanding count cannot see."""
+    async def one(b: Backend) -> None:
+        try:
+            r = await client.get(b.url + "/metrics", timeout=2)
+            b.reported_waiting = int(sum(map(float, _WAITING.findall(r.text))))
+        except (httpx.HTTPError, ValueError):
+            b.reported_waiting = 0  # a prefill that is down is skipped when sent to
+    while True:
+        await asyncio.gather(*(one(b) for b in pool.backends))
+        await asyncio.sleep(QUEUE_POLL_SECONDS)
+
+
+_WAITING = re.compile(r"^pdserve_num_requests_waiting(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Routing flags, shared with `pdserve up` (which passes them to its proxy)."""
+    p.add_argument("--policy", default="round_robin", choices=POLICIES,
+                   help="prefix: prompts sharing their first --prefix-tokens tokens go to "
+                        "the same prefill and decode while load allows")
+    p.add_argument("--prefix-tokens", type=int, default=64)
+    p.add_argument("--prefix-max-imbalance", type=int, default=4,
+                   help="prefix policy: leave a prompt's home instance when it has more than "
+                        "this many requests in flight beyond the idlest")
+    p.add_argument("--local-prefill-below", type=int, default=None, metavar="N",
+                   help="prompts under N tokens go straight to a decode, which prefills them")
+    p.add_argument("--max-prefill-queue", type=int, default=None, metavar="N",
+                   help="while every prefill has more than N requests queued or in flight, "
+                        "send new ones straight to a decode")
+    p.add_argument("--tokenizer", default=None, help="the served model's HF folder or .gguf, "
+                   "to count prompt tokens (default: the embedded model)")
+
+
+def check_routing_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the routing flags, if anything."""
+    for flag, value, least in (("--prefix-tokens", args.prefix_tokens, 1),
+                               ("--local-prefill-below", args.local_prefill_below, 1),
+                               ("--prefix-max-imbalance", args.prefix_max_imbalance, 0),
+                               ("--max-prefill-queue", args.max_prefill_queue, 0)):
+        if value is not None and value < least:
+            return f"{flag} must be at least {least}, not {value}"
+    return None
+
+
+def routing_argv(args: argparse.Namespace) -> list[str]:
+    """The routing flags given to `up`, for its proxy's command line (the tokenizer is
+    that of `up --model` unless named)."""
+    argv = []
+    for name in ("policy", "prefix_tokens", "prefix_max_imbalance", "local_prefill_below",
+                 "max_prefill_queue"):
+        if (v := getattr(args, name)) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(v)]
+    if tokenizer := args.tokenizer or args.model:
+        argv += ["--tokenizer", tokenizer]
+    return argv

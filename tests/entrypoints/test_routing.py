@@ -1,0 +1,110 @@
+"""The proxy's routing decisions as bookkeeping (the e2e twin is tests/e2e/test_proxy.py):
+policies' orders, the prefix policy's affinity and load fallback, when to prefill locally,
+and prompt token counts equal to the server's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.entrypoints.routing import Backend, Disaggregation, Pool, PromptTokens, prefix_key
+
+
+def _pool(policy: str, n: int = 3, **kw) -> Pool:
+    return Pool("prefill", [Backend(f"http://b{i}") for i in range(n)], policy, **kw)
+
+
+def _urls(backends: list[Backend]) -> list[str]:
+    return [b.url for b in backends]
+
+
+def test_round_robin_rotates_and_least_loaded_sorts():
+    pool = _pool("round_robin")
+    firsts = [pool.order()[0][0].url for _ in range(4)]
+    assert firsts == ["http://b0", "http://b1", "http://b2", "http://b0"]
+    pool = _pool("least_loaded")
+    for b, load in zip(pool.backends, (3, 0, 1), strict=True):
+        b.outstanding = load
+    assert _urls(pool.order()[0]) == ["http://b1", "http://b2", "http://b0"]
+
+
+def test_prefix_policy_is_sticky_spreads_and_falls_back_when_busy():
+    pool = _pool("prefix", max_imbalance=2)
+    keys = [prefix_key([i, 7, 7, 7], 64) for i in range(40)]
+    homes = [pool.order(k)[0][0] for k in keys]
+    assert all(pool.order(k)[0][0] is h for k, h in zip(keys, homes, strict=True))
+    assert len({h.url for h in homes}) == 3  # 40 prefixes use every backend
+    key, home = keys[0], homes[0]
+    home.outstanding = 2  # within the allowed imbalance: stay
+    assert pool.order(key) == ([home, *(b for b in pool.backends if b is not home)], False)
+    home.outstanding = 3  # too busy: least loaded first, and say so
+    order, fell_back = pool.order(key)
+    assert fell_back and order[-1] is home and order[0].outstanding == 0
+    # No key (an unreadable body): least loaded.
+    assert pool.order(None) == (order, False)
+
+
+def test_prefix_key_is_the_leading_tokens():
+    assert prefix_key([1, 2, 3], 2) == prefix_key([1, 2, 9], 2) != prefix_key([1, 3], 2)
+    assert prefix_key([], 4) is None and prefix_key(None, 4) is None
+    assert prefix_key([-1, 2**70], 4) != prefix_key([1, 2**70], 4)  # the backend refuses
+
+
+def test_local_prefill_by_length_and_by_queue():
+    pool = _pool("round_robin", n=2)
+    d = Disaggregation(local_prefill_below=10, max_prefill_queue=1)
+    assert d.local_reason(9, pool) == "short_prompt"
+    assert d.local_reason(10, pool) is None and d.local_reason(None, pool) is None
+    pool.backends[0].outstanding = 2
+    assert d.local_reason(50, pool) is None  # one prefill still has room
+    pool.backends[1].reported_waiting = 2  # other clients' queue, seen in its /metrics
+    assert d.local_reason(50, pool) == "prefill_busy"
+    pool.backends[0].outstanding = 0
+    assert d.local_reason(50, pool) is None
+    pool.backends[0].mark(reachable=False)  # room there, but it is down: does not count
+    assert d.local_reason(50, pool) == "prefill_busy"
+    pool.backends[1].mark(reachable=False)
+    assert d.local_reason(50, pool) == "prefill_down"
+    assert Disaggregation().local_reason(1, pool) is None  # off by default
+
+
+@pytest.fixture(scope="module")
+def counter() -> PromptTokens:
+    return PromptTokens(None)
+
+
+def test_prompt_tokens_as_the_server_counts_them(counter, tokenizer):
+    text = "The capital of France is"
+    assert counter("/v1/completions", {"prompt": text}) == tokenizer.encode(text)
+    assert counter("/v1/completions", {"prompt": [[5, 6, 7]]}) == [5, 6, 7]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    want = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert counter("/v1/chat/completions", {"messages": msgs}) == want
+    # What the backend will refuse is not counted (it routes by default, and the backend
+    # answers with its message).
+    for path, body in [("/v1/completions", {"prompt": ""}), ("/v1/completions", {}),
+                       ("/v1/chat/completions", {"messages": []}),
+                       ("/v1/completions", {"prompt": "\ud800"})]:
+        assert counter(path, body) is None, body
+
+
+def test_unreachable_backends_are_tried_last_for_a_while():
+    pool = _pool("round_robin")
+    pool.backends[1].mark(reachable=False)
+    assert _urls(pool.order()[0]) == ["http://b0", "http://b2", "http://b1"]
+    pool.backends[1].mark(reachable=True)
+    assert _urls(pool.order()[0]) == ["http://b1", "http://b2", "http://b0"]  # its turn
+
+
+def test_up_passes_the_routing_flags_to_its_proxy():
+    import argparse
+
+    from pdserve.entrypoints import up
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(sub)
+    args = sub.choices["up"].parse_args(["--policy", "prefix", "--local-prefill-below", "128",
+                                         "--model", "/m/x.gguf"])
+    proxy = up.plan(args, [])[-1].argv
+    flags = " ".join(proxy[proxy.index("proxy"):])
+    assert "--policy prefix" in flags and "--local-prefill-below 128" in flags
+    assert "--tokenizer /m/x.gguf" in flags and "--max-prefill-queue" not in flags

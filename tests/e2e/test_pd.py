@@ -168,7 +168,9 @@ def test_bad_kv_transfer_params_are_refused(setup):
     for bad, word in [({"remote_host": "10.1.2.3"}, "not allowed"),
                       ({"remote_block_ids": [0, 1, 2]}, "blocks"),
                       ({"remote_block_ids": [-1]}, "non-negative"),
-                      ({"remote_port": "x"}, "remote_port")]:
+                      ({"remote_port": "x"}, "remote_port"),
+                      ({"first_token_id": 5, "first_token_top_logprobs": [[5]]},
+                       "first_token_top_logprobs")]:
         r = httpx.post(decode + "/v1/completions", json={
             "model": MODEL, "prompt": "Hi", "max_tokens": 2,
             "kv_transfer_params": {**base, **bad}}, timeout=30)

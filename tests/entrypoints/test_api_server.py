@@ -182,14 +182,15 @@ def test_openai_client_sees_bad_request_error(client):
         client.completions.create(model=EMBEDDED_NAME, prompt=LONG, max_tokens=16)
 
 
-def test_client_disconnect_mid_stream_frees_blocks(server):
-    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_blocks(server, n):
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         events = (line for line in r.iter_lines() if line.startswith("data: "))
-        for _ in range(3):
+        for _ in range(3 * n):
             chunk = json.loads(next(events)[6:])
             assert chunk["choices"][0]["finish_reason"] is None  # still generating
-        assert metric(server.url, "pdserve_num_requests_running") == 1
+        assert metric(server.url, "pdserve_num_requests_running") == n  # every choice
     # Leaving the block closed the connection; the server must abort the request.
     _wait_idle(server.url)
 

@@ -90,10 +90,10 @@ def build_app(state: ServerState) -> FastAPI:
                                  "compute prompt logprobs; drop one of them")
         ids = _encode(state, prompt) if isinstance(prompt, str) else prompt
         reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
-        fmt = _CompletionFormat(state, reqs, body)
-        if body.echo:
-            fmt.echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
-        return await _respond(state, reqs, body, raw, fmt)
+        echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
+            state.tokenizer.decode(ids)
+        return await _respond(state, reqs, body, raw,
+                              _CompletionFormat(state, reqs, body, echo))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -200,7 +200,8 @@ class _Format:
     object_name = ""
     id_prefix = ""
 
-    def __init__(self, state: ServerState, reqs: list[EngineRequest], body: _Body) -> None:
+    def __init__(self, state: ServerState, reqs: list[EngineRequest], body: _Body,
+                 echo: str = "") -> None:
         self.state, self.body = state, body
         self.params = reqs[0].params
         self.num_prompt_tokens = reqs[0].num_prompt_tokens
@@ -208,7 +209,7 @@ class _Format:
         self.created = int(time.time())
         self.choices = {r.request_id: _Choice(i) for i, r in enumerate(reqs)}
         self.kv_transfer_params: dict[str, Any] | None = None
-        self.echo = ""  # text prepended to each choice (completions' echo)
+        self.echo = echo  # text prepended to each choice (completions' echo)
 
     def add(self, out: RequestOutput) -> _Choice:
         c = self.choices[out.request_id]

@@ -58,32 +58,34 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Repetition penalty (HF: over prompt and output, a seen token's logit divided by it
-    when positive, multiplied when negative), then frequency and presence penalties
-    (OpenAI: minus freq x its count in the output, minus pres if it occurs there)."""
+    when positive, multiplied when negative), then presence and frequency penalties
+    (OpenAI: minus pres if the token occurs in the output, minus freq per occurrence).
+    Gathers and scatters at the seen tokens only: the cost follows the tokens, not the
+    batch x vocabulary."""
     rows = [i for i, r in enumerate(reqs) if r.params.penalised]
     if not rows:
         return logits
     sub = [reqs[i] for i in rows]
-    x = logits[rows]
-    vocab = x.shape[1]
-    counts = _counts([r.output_token_ids for r in sub], vocab)
-    seen = _counts([r.token_ids for r in sub], vocab) > 0
-    rep, freq, pres = (torch.tensor([getattr(r.params, k) for r in sub]).unsqueeze(1)
-                       for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - freq * counts - pres * (counts > 0)
+    x = logits[rows]  # a copy
+    rep, pres, freq = (torch.tensor([getattr(r.params, k) for r in sub])
+                       for k in ("repetition_penalty", "presence_penalty", "frequency_penalty"))
+    # Repeated indices write the same value, computed from the logit before the penalty.
+    seen = _flat([r.token_ids for r in sub])
+    v = x[seen]
+    x[seen] = torch.where(v > 0, v / rep[seen[0]], v * rep[seen[0]])
+    out = _flat([r.output_token_ids for r in sub])
+    x[out] = x[out] - pres[out[0]]
+    x.index_put_(out, -freq[out[0]], accumulate=True)
     logits = logits.clone()
     logits[rows] = x
     return logits
 
 
-def _counts(seqs: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(seqs), vocab] occurrence counts, built in one scatter (no per-token loop)."""
+def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) index tensors of every token of every sequence."""
     lens = torch.tensor([len(s) for s in seqs])
     ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
-    counts = torch.zeros(len(seqs), vocab)
-    return counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
+    return torch.repeat_interleave(torch.arange(len(seqs)), lens), ids
 
 
 def _top_logprobs(raw: torch.Tensor, reqs: list[Request]) -> list[TopLogprobs]:

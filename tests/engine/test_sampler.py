@@ -134,7 +134,7 @@ def test_penalties_match_hf_processor_and_openai_formulas():
         want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[row:row + 1])
         counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=VOCAB)
         want = want[0] - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=0)  # float32 rounding
     assert torch.equal(got[-1], logits[-1])
 
 

@@ -204,3 +204,26 @@ def assert_matches_reference(got: list[int], ref: Reference, what: str = "") -> 
             return i
     assert got == ref.tokens, f"{what}: lengths differ: got {got}, HF {ref.tokens}"
     return None
+
+
+def hf_penalised_greedy(model, prompt: list[int], max_new_tokens: int,
+                        repetition: float = 1.0, presence: float = 0.0,
+                        frequency: float = 0.0) -> Reference:
+    """Greedy over HF logits with HF's RepetitionPenaltyLogitsProcessor (prompt + output)
+    and OpenAI's presence/frequency formulas (output only); margins of the penalised
+    logits."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rep = RepetitionPenaltyLogitsProcessor(repetition)
+    ids = torch.tensor([prompt])
+    tokens, margins = [], []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):  # whole sequence each step: short, and no cache API
+            scores = rep(ids, model(ids).logits[:, -1].float())
+            counts = torch.bincount(ids[0, len(prompt):], minlength=scores.shape[-1])
+            scores = scores - frequency * counts - presence * (counts > 0)
+            top2 = scores[0].topk(2).values
+            margins.append((top2[0] - top2[1]).item())
+            tokens.append(int(scores.argmax(-1)))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], 1)
+    return Reference(tokens, margins)

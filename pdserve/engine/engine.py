@@ -15,7 +15,7 @@ from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestOutput, Status
+from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model import loader
@@ -88,7 +88,8 @@ class LLMEngine:
         if self.connector is not None:
             first = self.connector.on_add(req)
             if first is not None:  # the prefill's first token: emit it before any pull
-                outputs.append(self._append(req, *first, time.monotonic()))
+                token, logprob, top = first
+                outputs.append(self._append(req, token, logprob, time.monotonic(), top))
         if not req.finished:
             self.scheduler.add(req)
         return outputs
@@ -131,17 +132,20 @@ class LLMEngine:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.metrics.prompt_computed.inc(
                     min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        sampled, tokens, logprobs = self.runner.run(items)
+        sampled, tokens, logprobs, tops = self.runner.run(items)
         for req, n in items:
             req.num_computed_tokens += n
             self.scheduler.cache_computed(req)
         now = time.monotonic()
-        return [self._append(r, t, lp, now) for r, t, lp in zip(sampled, tokens, logprobs,
-                                                                 strict=True)]
+        return [self._append(r, t, lp, now, top) for r, t, lp, top in
+                zip(sampled, tokens, logprobs, tops, strict=True)]
 
-    def _append(self, req: Request, token: int, logprob: float, now: float) -> RequestOutput:
+    def _append(self, req: Request, token: int, logprob: float, now: float,
+                top: TopLogprobs | None = None) -> RequestOutput:
         req.token_ids.append(token)
         req.output_logprobs.append(logprob)
+        if req.params.top_logprobs:
+            req.output_top_logprobs.append(top or [])
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
@@ -153,7 +157,7 @@ class LLMEngine:
         reason = self._finish_reason(req, token, stopped)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token], [logprob])
+        return self._output(req, [token], [logprob], req.output_top_logprobs[-1:])
 
     def _finish_reason(self, req: Request, token: int, stopped: bool) -> str | None:
         p = req.params
@@ -181,7 +185,8 @@ class LLMEngine:
         self.allocator.free(req.block_ids)
         req.block_ids = []
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list[float],
+                top: list[TopLogprobs] | None = None) -> RequestOutput:
         finished = req.finish_reason is not None
         detok = self.detok[req.request_id]
         if finished:
@@ -189,7 +194,7 @@ class LLMEngine:
         return RequestOutput(
             req.request_id, tokens, logprobs, detok.take(final=finished),
             req.num_prompt_tokens, req.num_output_tokens, req.finish_reason, req.error,
-            req.response_kv_params if finished else None)
+            req.response_kv_params if finished else None, top or [])
 
     def _update_gauges(self) -> None:
         m, s = self.metrics, self.scheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import Batch, Chunk, LlamaModel
@@ -17,16 +17,16 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = cache.shape.block_size
 
-    def run(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[float]]:
+    def run(self, items: list[tuple[Request, int]]
+            ) -> tuple[list[Request], list[int], list[float], list[TopLogprobs]]:
         """Compute the scheduled tokens; sample for requests whose known tokens are all
-        computed now. Returns (sampled requests, their tokens, their logprobs)."""
+        computed now. Returns (sampled requests, their tokens, logprobs, top logprobs)."""
         batch, sampled = self.prepare(items)
         logits = self.model.forward(batch.to(self.cache.tensor.device), self.cache)
         if not sampled:
-            return [], [], []
+            return [], [], [], []
         # Sampling runs on the host: per-request seeded generators are CPU generators.
-        tokens, logprobs = self.sampler.sample(logits.cpu(), sampled)
-        return sampled, tokens, logprobs
+        return sampled, *self.sampler.sample(logits.cpu(), sampled)
 
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[Batch, list[Request]]:
         bs = self.block_size

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
+TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, logprob)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -18,7 +20,16 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen token's logprob
+    top_logprobs: int = 0  # and the k most likely tokens' (needs logprobs)
+    presence_penalty: float = 0.0  # OpenAI's: over generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+            self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +54,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # if asked for
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -86,6 +98,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # if asked for
 
     @property
     def finished(self) -> bool:

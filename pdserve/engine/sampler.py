@@ -1,10 +1,13 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Batched sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds,
+logprobs and top logprobs."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
 
@@ -14,15 +17,20 @@ class Sampler:
         self._gen = torch.Generator().manual_seed(seed)
         self._row_gen = torch.Generator()
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
-        """Pick one token per row of float32 logits [B, vocab]; return tokens and the
-        model's logprob of each (before temperature and truncation)."""
+    def sample(self, logits: torch.Tensor, reqs: list[Request]
+               ) -> tuple[list[int], list[float], list[TopLogprobs]]:
+        """Pick one token per row of float32 logits [B, vocab]. Returns the tokens, the
+        model's logprob of each and each row's top_logprobs most likely tokens: logprobs
+        are of the raw distribution, before penalties, temperature and truncation (vLLM's
+        default), so they describe the model, not the request's sampling."""
+        raw = torch.log_softmax(logits, -1)
+        logits = apply_penalties(logits, reqs)
         tokens = logits.argmax(-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             tokens[rows] = self._sample_rows(logits[rows], [reqs[i] for i in rows])
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), logprobs.tolist()
+        logprobs = raw.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), logprobs.tolist(), _top_logprobs(raw, reqs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs]).unsqueeze(1)
@@ -46,6 +54,47 @@ class Sampler:
         # instance samples it, so a seeded request is reproducible across prefill/decode.
         return self._row_gen.manual_seed((req.params.seed * _MIX + req.num_output_tokens)
                                          % (1 << 63))
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Repetition penalty (HF: over prompt and output, a seen token's logit divided by it
+    when positive, multiplied when negative), then presence and frequency penalties
+    (OpenAI: minus pres if the token occurs in the output, minus freq per occurrence).
+    Gathers and scatters at the seen tokens only: the cost follows the tokens, not the
+    batch x vocabulary."""
+    rows = [i for i, r in enumerate(reqs) if r.params.penalised]
+    if not rows:
+        return logits
+    sub = [reqs[i] for i in rows]
+    x = logits[rows]  # a copy
+    rep, pres, freq = (torch.tensor([getattr(r.params, k) for r in sub])
+                       for k in ("repetition_penalty", "presence_penalty", "frequency_penalty"))
+    # Repeated indices write the same value, computed from the logit before the penalty.
+    seen = _flat([r.token_ids for r in sub])
+    v = x[seen]
+    x[seen] = torch.where(v > 0, v / rep[seen[0]], v * rep[seen[0]])
+    out = _flat([r.output_token_ids for r in sub])
+    x[out] = x[out] - pres[out[0]]
+    x.index_put_(out, -freq[out[0]], accumulate=True)
+    logits = logits.clone()
+    logits[rows] = x
+    return logits
+
+
+def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) index tensors of every token of every sequence."""
+    lens = torch.tensor([len(s) for s in seqs])
+    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(seqs)), lens), ids
+
+
+def _top_logprobs(raw: torch.Tensor, reqs: list[Request]) -> list[TopLogprobs]:
+    ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in reqs]
+    if not any(ks):
+        return [[] for _ in reqs]
+    values, ids = raw.topk(max(ks), -1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
 def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import RequestOutput, TopLogprobs
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,13 +24,15 @@ from pdserve.entrypoints.protocol import (
     error_body,
     require_api_key,
 )
+from pdserve.entrypoints.streams import merge_streams
 from pdserve.model.tokenizer import Tokenizer
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 @dataclass(slots=True)
@@ -42,6 +44,11 @@ class ServerState:
     validate_kv_params: Callable[[dict[str, Any], int], None] | None = None
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
     api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
+
+    @property
+    def names(self) -> list[str]:
+        return self.served_model_names or [self.model_name]
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -64,8 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": state.max_model_len}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": state.max_model_len} for name in state.names]}
 
     @app.get("/v1/kv_transfer/info")
     async def kv_transfer_info() -> dict:
@@ -80,10 +87,15 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = body.single_prompt()
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
+        if body.echo and body.logprobs is not None:
+            raise HTTPError(400, "echo with logprobs is not supported: pdserve does not "
+                                 "compute prompt logprobs; drop one of them")
         ids = _encode(state, prompt) if isinstance(prompt, str) else prompt
-        req = _engine_request(state, body, ids, body.max_tokens or 16,
-                              body.logprobs is not None, raw)
-        return await _respond(state, req, body, raw, _CompletionFormat(state, req, body))
+        reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
+        echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
+            state.tokenizer.decode(ids)
+        return await _respond(state, reqs, body, raw,
+                              _CompletionFormat(state, reqs, body, echo))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -95,8 +107,8 @@ def build_app(state: ServerState) -> FastAPI:
         ids = _encode(state, text)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
-        req = _engine_request(state, body, ids, max_tokens, body.logprobs, raw)
-        return await _respond(state, req, body, raw, _ChatFormat(state, req, body))
+        reqs = _engine_requests(state, body, ids, max_tokens, raw)
+        return await _respond(state, reqs, body, raw, _ChatFormat(state, reqs, body))
 
     return app
 
@@ -110,11 +122,12 @@ def _encode(state: ServerState, text: str) -> list[int]:
     return state.tokenizer.encode(text)
 
 
-def _engine_request(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
-                    logprobs: bool, raw: Request) -> EngineRequest:
-    if body.model is not None and body.model != state.model_name:
-        raise HTTPError(400, f"The model `{body.model}` does not exist; this server serves "
-                             f"`{state.model_name}`.")
+def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
+                     raw: Request) -> list[EngineRequest]:
+    """One engine request per choice."""
+    if body.model and body.model not in state.names:
+        raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
+                        "model")
     if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
         raise HTTPError(400, f"prompt token ids must be in [0, {state.tokenizer.vocab_size})")
     if len(ids) + max_tokens > state.max_model_len:
@@ -127,15 +140,19 @@ def _engine_request(state: ServerState, body: _Body, ids: list[int], max_tokens:
             state.validate_kv_params(params, len(ids))
         except ValueError as e:
             raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
+    if params and body.n > 1:  # a prefill answers one set of params per request
+        raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
+                             "requests (pdserve's proxy does)")
     request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
-    return EngineRequest(f"{request_id}-{uuid.uuid4().hex[:8]}", ids,
-                         body.sampling_params(max_tokens, logprobs), params or None)
+    return [EngineRequest(f"{request_id}-{uuid.uuid4().hex[:8]}", ids,
+                          body.sampling_params(max_tokens, i), params or None)
+            for i in range(body.n)]
 
 
-async def _respond(state: ServerState, req: EngineRequest, body: _Body, raw: Request,
+async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, raw: Request,
                    fmt: _Format) -> Response:
-    headers = {"X-Request-Id": raw.headers.get("x-request-id") or req.request_id}
-    outputs = state.engine.generate(req)
+    headers = {"X-Request-Id": raw.headers.get("x-request-id") or reqs[0].request_id}
+    outputs = merge_streams([state.engine.generate(r) for r in reqs])
     if body.stream:
         return StreamingResponse(_sse(fmt, outputs), media_type="text/event-stream",
                                  headers=headers)
@@ -166,58 +183,83 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+@dataclass(slots=True)
+class _Choice:
+    """One choice's output so far."""
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # its first chunk went out (role, echo)
+
+
 class _Format:
-    """Accumulates one request's outputs into OpenAI's response and stream-chunk shapes."""
+    """Accumulates one request's outputs (n choices) into OpenAI's response and stream-chunk
+    shapes."""
 
     object_name = ""
     id_prefix = ""
 
-    def __init__(self, state: ServerState, req: EngineRequest, body: _Body) -> None:
-        self.state, self.req, self.body = state, req, body
-        self.id = f"{self.id_prefix}-{req.request_id}"
+    def __init__(self, state: ServerState, reqs: list[EngineRequest], body: _Body,
+                 echo: str = "") -> None:
+        self.state, self.body = state, body
+        self.params = reqs[0].params
+        self.num_prompt_tokens = reqs[0].num_prompt_tokens
+        self.id = f"{self.id_prefix}-{reqs[0].request_id}"
         self.created = int(time.time())
-        self.text = ""
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.last: RequestOutput | None = None
+        self.choices = {r.request_id: _Choice(i) for i, r in enumerate(reqs)}
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.echo = echo  # text prepended to each choice (completions' echo)
 
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.tokens += out.new_token_ids
-        self.logprobs += out.new_logprobs
-        self.last = out
+    def add(self, out: RequestOutput) -> _Choice:
+        c = self.choices[out.request_id]
+        c.text += out.text
+        c.tokens += out.new_token_ids
+        c.logprobs += out.new_logprobs
+        c.top_logprobs += out.new_top_logprobs
+        c.finish_reason = out.finish_reason
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        return c
 
     def usage(self) -> dict[str, int]:
-        p, c = self.req.num_prompt_tokens, len(self.tokens)
+        p, c = self.num_prompt_tokens, sum(len(c.tokens) for c in self.choices.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def envelope(self, choices: list[dict], final: bool = True) -> dict[str, Any]:
         suffix = "" if final else ".chunk"
         body: dict[str, Any] = {"id": self.id, "object": self.object_name + suffix,
-                                "created": self.created, "model": self.state.model_name,
+                                "created": self.created, "model": self.state.names[0],
                                 "choices": choices}
         if final:
             body["usage"] = self.usage()
-            body["kv_transfer_params"] = self.last.kv_transfer_params if self.last else None
+            body["kv_transfer_params"] = self.kv_transfer_params
         return body
 
     def token_text(self, ids: list[int]) -> list[str]:
         return [self.state.tokenizer.decode([t]) for t in ids]
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        self.add(out)
-        chunks = [self.envelope([self.delta(out)], final=False)]
+        c = self.add(out)
+        chunks = [self.envelope([self.delta(c, out)], final=False)]
+        c.started = True
         if out.finished:
             if out.kv_transfer_params is not None:
                 chunks[-1]["kv_transfer_params"] = out.kv_transfer_params
-            if self.body.include_usage:
+            last = all(c.finish_reason for c in self.choices.values())
+            if last and self.body.include_usage:  # OpenAI: one chunk after every choice
                 chunks.append({**self.envelope([], final=False), "usage": self.usage()})
         return chunks
 
-    def delta(self, out: RequestOutput) -> dict[str, Any]:
+    def final(self) -> dict[str, Any]:
+        return self.envelope([self.choice(c) for c in self.choices.values()])
+
+    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def final(self) -> dict[str, Any]:
+    def choice(self, c: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -225,55 +267,66 @@ class _CompletionFormat(_Format):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
-        if not self.req.params.logprobs:
+    def _logprobs(self, c: _Choice, ids: list[int], lps: list[float],
+                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
+        if not self.params.logprobs:
             return None
         texts = self.token_text(ids)
-        offsets, pos = [], len(self.text) - sum(map(len, texts))
+        offsets, pos = [], len(c.text) - sum(map(len, texts))
         for t in texts:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": None,
+        # Each position's dict holds the chosen token and the k likeliest (OpenAI's k + 1).
+        top = [{text: lp, **{self.state.tokenizer.decode([i]): v for i, v in t}}
+               for text, lp, t in zip(texts, lps, tops or [[]] * len(ids), strict=True)]
+        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": top,
                 "text_offset": offsets}
 
-    def delta(self, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs)}
+    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
+        return {"index": c.index, "text": (self.echo if not c.started else "") + out.text,
+                "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(c, out.new_token_ids, out.new_logprobs,
+                                           out.new_top_logprobs)}
 
-    def final(self) -> dict[str, Any]:
-        reason = self.last.finish_reason if self.last else None
-        return self.envelope([{"index": 0, "text": self.text, "finish_reason": reason,
-                               "logprobs": self._logprobs(self.tokens, self.logprobs)}])
+    def choice(self, c: _Choice) -> dict[str, Any]:
+        return {"index": c.index, "text": self.echo + c.text, "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c, c.tokens, c.logprobs, c.top_logprobs)}
 
 
 class _ChatFormat(_Format):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
-    _sent_role = False
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
-        if not self.req.params.logprobs:
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.state.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, ids: list[int], lps: list[float],
+                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
+        if not self.params.logprobs:
             return None
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": []}
-                            for t, lp in zip(self.token_text(ids), lps, strict=True)]}
+        return {"content": [{**self._entry(t, lp),
+                             "top_logprobs": [self._entry(*e) for e in top]}
+                            for t, lp, top in zip(ids, lps, tops or [[]] * len(ids),
+                                                  strict=True)]}
 
-    def delta(self, out: RequestOutput) -> dict[str, Any]:
+    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": out.text}
-        if not self._sent_role:
-            delta["role"], self._sent_role = "assistant", True
-        return {"index": 0, "delta": delta, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs)}
+        if not c.started:
+            delta["role"] = "assistant"
+        return {"index": c.index, "delta": delta, "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs,
+                                           out.new_top_logprobs)}
 
-    def final(self) -> dict[str, Any]:
-        reason = self.last.finish_reason if self.last else None
-        return self.envelope([{"index": 0, "finish_reason": reason,
-                               "message": {"role": "assistant", "content": self.text},
-                               "logprobs": self._logprobs(self.tokens, self.logprobs)}])
+    def choice(self, c: _Choice) -> dict[str, Any]:
+        return {"index": c.index, "finish_reason": c.finish_reason,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.tokens, c.logprobs, c.top_logprobs)}
 
 
 async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.status, exc.kind), status_code=exc.status)
+    return JSONResponse(error_body(exc.message, exc.status, exc.kind, exc.param),
+                        status_code=exc.status)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

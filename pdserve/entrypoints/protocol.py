@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.engine.request import SamplingParams
 
+MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default max_logprobs
+MAX_N = 128  # choices per request, as OpenAI's
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields we do not use
@@ -25,7 +28,11 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Bounded away from 0 and infinity: past those, penalised logits overflow float32.
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -37,15 +44,25 @@ class _Body(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        """Choice `index`'s parameters: with a seed, choice i draws from seed + i (as vLLM),
+        so each choice is its own reproducible stream."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, top = self.logprobs_asked()
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             # Any k past the vocabulary keeps every token; clamped so the sampler's int64
             # tensor never overflows (a 500 for every request in the batch).
-            top_k=min(max(self.top_k, 0), 2**31), seed=self.seed, stop=stop,
+            top_k=min(max(self.top_k, 0), 2**31),
+            seed=None if self.seed is None else self.seed + index, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, top_logprobs=top, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty)
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        """(the chosen tokens' logprobs?, how many top logprobs per position)"""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -54,8 +71,11 @@ class _Body(BaseModel):
 
 class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # chosen token's logprob only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -84,7 +104,17 @@ class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return v
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
 
 
 def error_body(message: str, code: int, kind: str = "invalid_request_error",

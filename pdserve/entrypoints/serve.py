@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV of prompt prefixes seen before (--no-prefix-caching: off)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's names in the API (the first in responses; default: "
+                        "the model's own)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    log.info("serving %s (%s; %s) at http://%s:%d", state.model_name, cfg.dtype,
+    log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), cfg.dtype,
              state.engine.describe(), args.host, args.port)
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
@@ -107,7 +110,8 @@ def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     c = engine.connector
     return ServerState(AsyncEngine(engine, registry), engine.tokenizer, model_name(cfg.model),
                        cfg.max_model_len, validate_kv_params=c.validate_params if c else None,
-                       kv_info=c.info if c else None, api_key=args.api_key)
+                       kv_info=c.info if c else None, api_key=args.api_key,
+                       served_model_names=args.served_model_name or [])
 
 
 def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
@@ -133,4 +137,4 @@ def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
                                    kv.is_consumer)
     return ServerState(dp, tokenizer, loader.model_name(cfg.model), cfg.max_model_len,
                        validate_kv_params=validate, kv_info=dp.kv_info if kv else None,
-                       api_key=args.api_key)
+                       api_key=args.api_key, served_model_names=args.served_model_name or [])

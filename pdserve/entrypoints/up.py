@@ -100,11 +100,12 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags given to `up`, passed through to every instance."""
     flags = ["model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks",
-             "kv_layout", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed"]
+             "kv_layout", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
+             "served_model_name"]
     argv: list[str] = []
     for f in flags:
         if (v := getattr(args, f)) is not None:
-            argv += [f"--{f.replace('_', '-')}", str(v)]
+            argv += [f"--{f.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
     return argv
 
 

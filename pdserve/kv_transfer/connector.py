@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.config import KVTransferConfig
-from pdserve.engine.request import Request, RequestOutput, Status
+from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
 from pdserve.kv_transfer.base import DONE, RENEW, IncompatibleKV, Peer, Transport
 from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
@@ -66,7 +66,7 @@ class PDConnector:
 
     # -- engine hooks (engine thread) -------------------------------------------------------
 
-    def on_add(self, req: Request) -> tuple[int, float] | None:
+    def on_add(self, req: Request) -> tuple[int, float, TopLogprobs] | None:
         """Note a remote-prefilled request; returns the prefill's first token to emit now."""
         p = req.kv_transfer_params or {}
         if not (p.get("do_remote_prefill") and self.config.is_consumer and complete(p)):
@@ -84,7 +84,8 @@ class PDConnector:
             pull.abandoned = True  # recompute here; tell the prefill to let go
         if first is None:
             return None
-        return int(first), float(p.get("first_token_logprob") or 0.0)
+        top = [(int(t), float(lp)) for t, lp in p.get("first_token_top_logprobs") or []]
+        return int(first), float(p.get("first_token_logprob") or 0.0), top
 
     def start_load(self, reqs: list[Request]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -155,6 +156,9 @@ class PDConnector:
             "first_token_id": req.output_token_ids[0],
             "first_token_logprob": req.output_logprobs[0],
         }
+        if req.output_top_logprobs:  # asked for: the decode emits them with the first token
+            req.response_kv_params["first_token_top_logprobs"] = [
+                [t, lp] for t, lp in req.output_top_logprobs[0]]
 
     def _handle_notifications(self) -> None:
         for msg in self.transport.notifications():

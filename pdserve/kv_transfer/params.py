@@ -65,6 +65,13 @@ class ParamsValidator:
         first = p.get("first_token_id")
         if first is not None and (not _is_int(first) or not 0 <= first < self.vocab_size):
             raise ValueError("first_token_id must be a token id of this model")
+        top = p.get("first_token_top_logprobs")
+        if top is not None and not (isinstance(top, list) and all(
+                isinstance(e, list) and len(e) == 2 and _is_int(e[0])
+                and 0 <= e[0] < self.vocab_size and isinstance(e[1], int | float)
+                and not isinstance(e[1], bool) for e in top)):
+            raise ValueError("first_token_top_logprobs must be a list of [token id, logprob] "
+                             "pairs")
 
 
 def _is_int(v: object) -> bool:

@@ -85,12 +85,15 @@ def _fields(info: dict[str, Any]) -> dict[str, tuple[st.SearchStrategy, st.Searc
         "stop": (st.sampled_from(["\n", ".", "Paris"]) | st.lists(odd_text, max_size=3),
                  odd_text | junk),
         "stop_token_ids": (st.lists(st.integers(0, 49151), max_size=3), token_ids | junk),
-        "ignore_eos": (st.booleans(), junk), "n": (st.just(1), st.integers(-1, 3) | junk),
+        "ignore_eos": (st.booleans(), junk), "n": (st.integers(1, 3), st.integers(-1, 200) | junk),
         "stream": (st.booleans(), junk),
         "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), junk),
         "kv_transfer_params": (st.none(), _kv_params(info)),
         "user": (st.text(max_size=10), odd_text | junk),
-        "frequency_penalty": (st.just(0.0), number | junk), "logit_bias": (st.none(), junk),
+        "frequency_penalty": (st.floats(-2, 2), number | junk),
+        "presence_penalty": (st.floats(-2, 2), number | junk),
+        "repetition_penalty": (st.floats(0.01, 100), number | junk),
+        "logit_bias": (st.none(), junk),
     }
 
 
@@ -110,9 +113,9 @@ def completion_body(info: dict[str, Any]) -> st.SearchStrategy:
         st.lists(st.integers(0, 49151), min_size=1, max_size=20) | \
         st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
     return _body({"prompt": (valid_prompt, prompt), "max_tokens": (small_tokens, max_tokens)},
-                 {**_fields(info), "logprobs": (st.sampled_from([0, None]),
-                                                st.sampled_from([1, -1, 5]) | junk),
-                  "echo": (st.just(False), junk)})
+                 {**_fields(info), "logprobs": (st.sampled_from([0, None, 3]),
+                                                st.sampled_from([-1, 21]) | junk),
+                  "echo": (st.booleans(), junk)})
 
 
 message = st.fixed_dictionaries(
@@ -133,7 +136,7 @@ def chat_body(info: dict[str, Any]) -> st.SearchStrategy:
                   "max_tokens": (small_tokens, max_tokens)},
                  {**_fields(info), "max_completion_tokens": (small_tokens, max_tokens),
                   "logprobs": (st.booleans(), junk),
-                  "top_logprobs": (st.sampled_from([0, None]), st.integers(-1, 3) | junk)})
+                  "top_logprobs": (st.sampled_from([0, None, 2]), st.integers(-1, 30) | junk)})
 
 
 def requests(info: dict[str, Any]) -> st.SearchStrategy:

@@ -198,7 +198,9 @@ def test_bad_kv_transfer_params_are_refused(setup):
     for bad, word in [({"remote_host": "10.1.2.3"}, "not allowed"),
                       ({"remote_block_ids": [0, 1, 2]}, "blocks"),
                       ({"remote_block_ids": [-1]}, "non-negative"),
-                      ({"remote_port": "x"}, "remote_port")]:
+                      ({"remote_port": "x"}, "remote_port"),
+                      ({"first_token_id": 5, "first_token_top_logprobs": [[5]]},
+                       "first_token_top_logprobs")]:
         r = httpx.post(decode + "/v1/completions", json={
             "model": MODEL, "prompt": "Hi", "max_tokens": 2,
             "kv_transfer_params": {**base, **bad}}, timeout=30)
@@ -235,3 +237,88 @@ def _assert_pools_whole(*urls: str) -> None:
         total = metric(url, "pdserve_kv_blocks_total")
         wait_for_metric(url, "pdserve_kv_blocks_free", total, timeout=10)
         assert metric(url, "pdserve_kv_blocks_held_for_remote") == 0
+
+
+def _sampling_view(url: str, path: str, body: dict, stream: bool) -> dict:
+    """Each choice's text, finish reason and logprobs, and the usage, from a plain or a
+    streamed answer (streamed logprobs concatenated per choice)."""
+    if not stream:
+        r = httpx.post(url + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        return {"usage": answer["usage"], "choices": {c["index"]: (
+            c.get("text", c.get("message", {}).get("content")), c["finish_reason"],
+            c["logprobs"]) for c in answer["choices"]}}
+    view: dict = {"usage": None, "choices": {}}
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for chunk in map(json.loads, events[:-1]):
+        view["usage"] = chunk.get("usage") or view["usage"]
+        for c in chunk["choices"]:
+            text, _, lps = view["choices"].get(c["index"], ("", None, None))
+            piece = c.get("text", (c.get("delta") or {}).get("content") or "")
+            lp = c["logprobs"]
+            if lps is not None:  # concatenate the chunks' logprob lists
+                lp = {k: (lps[k] + v if isinstance(v, list) else v) for k, v in lp.items()}
+            view["choices"][c["index"]] = (text + piece, c["finish_reason"], lp)
+    return view
+
+
+SAMPLING = {"temperature": 0.9, "seed": 5, "n": 3, "max_tokens": 8, "ignore_eos": True,
+            "repetition_penalty": 1.2, "presence_penalty": 0.4, "frequency_penalty": 0.4,
+            "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_sampling_api_identical_to_monolithic(setup, kind):
+    """n > 1 (seeded), penalties (the decode counts the prefill's token) and top logprobs
+    (the first token's come from the prefill) through the proxy: what one server answers."""
+    dtype, mono, up, prefill, decode = setup
+    if kind == "completion":
+        path, body = "/v1/completions", {**SAMPLING, "prompt": "one two three one two",
+                                         "logprobs": 3}
+    else:
+        path, body = "/v1/chat/completions", {**SAMPLING, "messages": CHATS[0],
+                                              "logprobs": True, "top_logprobs": 3}
+    for stream in (False, True):
+        want = _sampling_view(mono.url, path, body, stream)
+        got = _sampling_view(up.url, path, body, stream)
+        assert len(want["choices"]) == 3 and want["usage"]["completion_tokens"] == 24
+        _assert_close(got, want, f"{kind}, stream={stream}")
+    _assert_pools_whole(prefill, decode)
+
+
+def _assert_close(got, want, where: str) -> None:
+    """Equal, except floats (logprobs) within 1e-4: n choices batched together on one
+    server and apart on another round differently."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, dict | list | tuple):
+        assert type(got) is type(want) and len(got) == len(want), (where, got, want)
+        if isinstance(want, dict):
+            assert got.keys() == want.keys(), (where, got, want)
+        pairs = ((got[k], want[k]) for k in want) if isinstance(want, dict) \
+            else zip(got, want, strict=True)
+        for i, (g, w) in enumerate(pairs):
+            _assert_close(g, w, f"{where}/{i}")
+    else:
+        assert got == want, (where, got, want)
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+def test_bad_sampling_values_are_400_through_the_proxy(setup):
+    dtype, mono, up, prefill, decode = setup
+    for bad, word in [({"repetition_penalty": 0}, "repetition_penalty"),
+                      ({"n": 2, "logprobs": 21}, "logprobs"),
+                      ({"n": 2, "echo": True, "logprobs": 1}, "echo"),
+                      ({"n": 2, "model": "gpt-4o"}, "does not exist")]:
+        r = httpx.post(up.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                         **bad}, timeout=60)
+        assert r.status_code in (400, 404) and word in r.json()["error"]["message"], r.text
+    _assert_pools_whole(prefill, decode)
+    r = httpx.post(up.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2},
+                   timeout=60)
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]  # still serving

@@ -1,4 +1,5 @@
-"""Sampling: greedy, seeds, top-k/top-p truncation, temperature, logprobs."""
+"""Sampling: greedy, seeds, top-k/top-p truncation, temperature, penalties, logprobs and top
+logprobs; penalties and logprobs on the embedded model against HF transformers."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.sampler import Sampler
-from tests.utils import run_engine
+from pdserve.engine.sampler import Sampler, apply_penalties
+from tests.utils import assert_matches_reference, greedy, hf_penalised_greedy, run_engine
 
 VOCAB = 1000
 
@@ -22,7 +23,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax_with_its_logprob():
     logits = _logits(8)
-    tokens, logprobs = Sampler().sample(logits.clone(), _reqs(8, temperature=0.0))
+    tokens, logprobs, _ = Sampler().sample(logits.clone(), _reqs(8, temperature=0.0))
     assert tokens == logits.argmax(-1).tolist()
     want = torch.log_softmax(logits, -1)[torch.arange(8), logits.argmax(-1)]
     assert logprobs == pytest.approx(want.tolist(), abs=1e-5)
@@ -32,7 +33,7 @@ def test_greedy_is_argmax_with_its_logprob():
                          ids=["top_k=1", "top_p=1e-6"])
 def test_truncation_to_one_token_is_greedy(params):
     logits = _logits(32)
-    tokens, _ = Sampler(seed=7).sample(logits.clone(), _reqs(32, temperature=1.5, **params))
+    tokens, *_ = Sampler(seed=7).sample(logits.clone(), _reqs(32, temperature=1.5, **params))
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -66,7 +67,7 @@ def test_unseeded_sampling_follows_the_engine_seed():
 
 
 def _frequencies(logits: torch.Tensor, n: int, **params) -> torch.Tensor:
-    tokens, _ = Sampler(seed=0).sample(logits.expand(n, -1).clone(), _reqs(n, **params))
+    tokens, *_ = Sampler(seed=0).sample(logits.expand(n, -1).clone(), _reqs(n, **params))
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / n
 
 
@@ -89,7 +90,7 @@ def test_top_k_and_top_p_renormalise_what_they_keep():
 
 
 def test_logprob_is_the_models_not_the_tempered_one():
-    tokens, logprobs = Sampler().sample(LOGITS.expand(64, -1).clone(),
+    tokens, logprobs, _ = Sampler().sample(LOGITS.expand(64, -1).clone(),
                                         _reqs(64, temperature=3.0, top_k=3))
     full = torch.log_softmax(LOGITS[0], -1)
     assert logprobs == pytest.approx([full[t].item() for t in tokens], abs=1e-5)
@@ -105,3 +106,96 @@ def test_engine_seeded_sampling_reproduces(engine_f32, tokenizer):
     first = run(11, "s1")
     assert run(11, "s2") == first
     assert run(12, "s3") != first
+
+
+def _history(prompt: list[int], output: list[int], **params) -> Request:
+    req = Request("h", prompt, SamplingParams(**params))
+    req.token_ids += output
+    return req
+
+
+PENALTIES = [{"repetition_penalty": 1.3}, {"repetition_penalty": 0.7},
+             {"presence_penalty": 0.8, "frequency_penalty": 0.5},
+             {"presence_penalty": -1.0, "frequency_penalty": -0.3, "repetition_penalty": 1.2}]
+
+
+def test_penalties_match_hf_processor_and_openai_formulas():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = _logits(len(PENALTIES) + 1)
+    g = torch.Generator().manual_seed(1)
+    reqs = [_history(torch.randint(0, 50, (12,), generator=g).tolist(),
+                     torch.randint(0, 50, (9,), generator=g).tolist(), **p)
+            for p in [*PENALTIES, {}]]  # the last row has none: left as it was
+    got = apply_penalties(logits, reqs)
+    for row, req in enumerate(reqs):
+        p = req.params
+        ids = torch.tensor([req.token_ids])
+        want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[row:row + 1])
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=VOCAB)
+        want = want[0] - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=0)  # float32 rounding
+    assert torch.equal(got[-1], logits[-1])
+
+
+def test_greedy_follows_the_penalties_logprob_stays_raw():
+    logits = _logits(2)
+    top = logits.argmax(-1).tolist()
+    # Seen in the output, the top token is pushed far down: greedy must pick another.
+    reqs = [_history([1], [t], temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0,
+                     repetition_penalty=50.0) for t in top]
+    tokens, logprobs, _ = Sampler().sample(logits.clone(), reqs)
+    assert tokens == apply_penalties(logits, reqs).argmax(-1).tolist()
+    assert all(t != old for t, old in zip(tokens, top, strict=True))
+    raw = torch.log_softmax(logits, -1)
+    assert logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(tokens)],
+                                     abs=1e-6)
+
+
+def test_top_logprobs_per_row():
+    logits = _logits(3)
+    reqs = [Request(f"r{k}", [1], SamplingParams(temperature=0.0, logprobs=True,
+                                                 top_logprobs=k)) for k in (0, 2, 5)]
+    _, _, tops = Sampler().sample(logits.clone(), reqs)
+    values, ids = torch.log_softmax(logits, -1).topk(5, -1)
+    assert tops[0] == []
+    for row, k in ((1, 2), (2, 5)):
+        assert [t for t, _ in tops[row]] == ids[row, :k].tolist()
+        assert [lp for _, lp in tops[row]] == pytest.approx(values[row, :k].tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("penalties", PENALTIES[:1] + PENALTIES[2:],
+                         ids=["repetition", "presence+frequency", "all"])
+def test_engine_penalties_match_hf(engine_f32, hf_model, tokenizer, penalties):
+    # Repetitive text, so the penalties change the greedy continuation.
+    ids = tokenizer.encode("one two three one two three one two three one two")
+    req = Request("p", ids, greedy(12, ignore_eos=True, **penalties))
+    got = run_engine(engine_f32, [req])["p"].token_ids
+    ref = hf_penalised_greedy(hf_model, ids, 12, penalties.get("repetition_penalty", 1.0),
+                              penalties.get("presence_penalty", 0.0),
+                              penalties.get("frequency_penalty", 0.0))
+    plain = hf_penalised_greedy(hf_model, ids, 12)
+    assert ref.tokens != plain.tokens, "the penalties must change the reference"
+    assert_matches_reference(got, ref, str(penalties))
+
+
+def test_engine_logprobs_match_hf(engine_f32, hf_model, tokenizer):
+    """Chosen and top-5 logprobs are log_softmax of the model's raw logits (float32; 2e-4
+    absolute: another kernel's rounding), also with temperature and penalties."""
+    ids = tokenizer.encode("The lighthouse keeper climbed the stairs")
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=True,
+                            top_logprobs=5, repetition_penalty=1.2, ignore_eos=True)
+    req = Request("l", ids, params)
+    gen = run_engine(engine_f32, [req])["l"]
+    with torch.inference_mode():
+        seq = torch.tensor([ids + gen.token_ids])
+        ref = torch.log_softmax(hf_model(seq).logits[0, len(ids) - 1:-1].float(), -1)
+    chosen = ref.gather(1, torch.tensor(gen.token_ids)[:, None]).squeeze(1)
+    assert gen.logprobs == pytest.approx(chosen.tolist(), abs=2e-4)
+    assert len(req.output_top_logprobs) == len(gen.token_ids)
+    for pos, top in enumerate(req.output_top_logprobs):
+        assert len(top) == 5
+        assert [lp for _, lp in top] == pytest.approx(ref[pos, [t for t, _ in top]].tolist(),
+                                                      abs=2e-4)
+        # They are the five most likely: HF's fifth best is no likelier than the last.
+        assert ref[pos].topk(5).values[-1].item() <= top[-1][1] + 2e-4

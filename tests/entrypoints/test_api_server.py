@@ -19,6 +19,7 @@ from pdserve.model.loader import EMBEDDED_NAME
 from tests.utils import free_port, greedy, metric, run_engine, start_server
 
 MAX_MODEL_LEN = 512
+ALIAS = "smol"  # a second --served-model-name
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "You answer briefly."},
         {"role": "user", "content": "Name three colours of the rainbow."}]
@@ -27,7 +28,8 @@ CHAT = [{"role": "system", "content": "You answer briefly."},
 @pytest.fixture(scope="module")
 def server():
     srv = start_server(["serve", "--dtype", "float32", "--num-kv-blocks", "256",
-                        "--max-model-len", str(MAX_MODEL_LEN)])
+                        "--max-model-len", str(MAX_MODEL_LEN),
+                        "--served-model-name", EMBEDDED_NAME, ALIAS])
     yield srv
     srv.stop()
 
@@ -43,9 +45,24 @@ def _engine_greedy(engine, ids: list[int], max_tokens: int):
     return run_engine(engine, [req])["ref"]
 
 
-def test_models_lists_the_embedded_model(client):
+def test_models_lists_the_served_names(client):
     models = client.models.list().data
-    assert [m.id for m in models] == [EMBEDDED_NAME]
+    assert [m.id for m in models] == [EMBEDDED_NAME, ALIAS]
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_model_by_any_served_name_or_none_else_404(server, path):
+    body = {"prompt": "hi"} if path == "completions" else {"messages": CHAT}
+    body["max_tokens"] = 1
+    for model in (ALIAS, None):
+        r = httpx.post(f"{server.url}/v1/{path}", timeout=60,
+                       json={**body, **({"model": model} if model else {})})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == EMBEDDED_NAME  # the first name, as vLLM
+    r = httpx.post(f"{server.url}/v1/{path}", json={**body, "model": "gpt-4o"}, timeout=60)
+    assert r.status_code == 404
+    assert r.json()["error"] == {"message": "The model `gpt-4o` does not exist.",
+                                 "type": "NotFoundError", "param": "model", "code": 404}
 
 
 def test_completion_greedy_equals_engine(client, engine_f32):
@@ -104,9 +121,6 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
     "max_tokens of wrong type": ("completions", {"prompt": "hi", "max_tokens": "many"},
                                  "max_tokens"),
     "messages of wrong type": ("chat/completions", {"messages": "hello"}, "messages"),
-    "unknown model": ("completions", {"model": "gpt-4o", "prompt": "hi"}, "gpt-4o"),
-    "unknown model (chat)": ("chat/completions", {"model": "gpt-4o", "messages": CHAT},
-                             "gpt-4o"),
     "empty prompt": ("completions", {"prompt": ""}, "empty"),
     "empty token list": ("completions", {"prompt": []}, "empty"),
     "no messages": ("chat/completions", {"messages": []}, "messages"),
@@ -122,6 +136,25 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
     "top_p 0": ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     "top_p 1.5": ("chat/completions", {"messages": CHAT, "top_p": 1.5}, "top_p"),
     "token id out of vocab": ("completions", {"prompt": [1, 10**9]}, "token ids"),
+    "presence_penalty 3": ("completions", {"prompt": "hi", "presence_penalty": 3},
+                           "presence_penalty"),
+    "frequency_penalty -2.5": ("chat/completions", {"messages": CHAT,
+                                                    "frequency_penalty": -2.5},
+                               "frequency_penalty"),
+    "repetition_penalty 0": ("completions", {"prompt": "hi", "repetition_penalty": 0},
+                             "repetition_penalty"),
+    "repetition_penalty NaN": ("completions", b'{"prompt": "hi", "repetition_penalty": NaN}',
+                               "repetition_penalty"),
+    "logprobs 21": ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    "top_logprobs 21": ("chat/completions", {"messages": CHAT, "logprobs": True,
+                                             "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs without logprobs": ("chat/completions", {"messages": CHAT,
+                                                           "top_logprobs": 2},
+                                      "`logprobs` must be set to true"),
+    "echo with logprobs": ("completions", {"prompt": "hi", "echo": True, "logprobs": 1},
+                           "echo with logprobs is not supported"),
+    "n 0": ("completions", {"prompt": "hi", "n": 0}, "n"),
+    "n 129": ("chat/completions", {"messages": CHAT, "n": 129}, "n"),
 }
 
 
@@ -137,10 +170,11 @@ def test_bad_request_is_a_readable_400(server, case):
     assert names in error["message"], error
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     assert "Traceback" not in error["message"]
-    # Still serving.
+    # Still serving, the KV pool whole.
     ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
                     json={"prompt": "hi", "max_tokens": 1, "temperature": 0})
     assert ok.status_code == 200, ok.text
+    _wait_idle(server.url)
 
 
 def test_openai_client_sees_bad_request_error(client):
@@ -148,24 +182,25 @@ def test_openai_client_sees_bad_request_error(client):
         client.completions.create(model=EMBEDDED_NAME, prompt=LONG, max_tokens=16)
 
 
-def test_client_disconnect_mid_stream_frees_blocks(server):
-    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_blocks(server, n):
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         events = (line for line in r.iter_lines() if line.startswith("data: "))
-        for _ in range(3):
+        for _ in range(3 * n):
             chunk = json.loads(next(events)[6:])
             assert chunk["choices"][0]["finish_reason"] is None  # still generating
-        assert metric(server.url, "pdserve_num_requests_running") == 1
+        assert metric(server.url, "pdserve_num_requests_running") == n  # every choice
     # Leaving the block closed the connection; the server must abort the request.
-    deadline = time.monotonic() + 10
-    while not _idle(server.url):
-        assert time.monotonic() < deadline, httpx.get(server.url + "/metrics").text
+    _wait_idle(server.url)
+
+
+def _wait_idle(url: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not (metric(url, "pdserve_num_requests_running") == 0 and metric(
+            url, "pdserve_kv_blocks_free") == metric(url, "pdserve_kv_blocks_total")):
+        assert time.monotonic() < deadline, httpx.get(url + "/metrics").text
         time.sleep(0.1)
-
-
-def _idle(url: str) -> bool:
-    return metric(url, "pdserve_num_requests_running") == 0 and \
-        metric(url, "pdserve_kv_blocks_free") == metric(url, "pdserve_kv_blocks_total")
 
 
 def _serve_fails(model: str) -> str:
@@ -198,3 +233,141 @@ def test_corrupt_model_fails_clearly(tmp_path, model_folder, with_tokenizer):
     assert str(tmp_path) in line
     if with_tokenizer:  # the weights are what it trips on
         assert "model.safetensors" in line
+
+
+# -- the sampling API ------------------------------------------------------------------------
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _texts(chunks: list[dict], key: str) -> dict[int, str]:
+    """Each choice's text, joined from its stream chunks."""
+    out: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            piece = c["text"] if key == "text" else c["delta"].get("content") or ""
+            out[c["index"]] = out.get(c["index"], "") + piece
+    return out
+
+
+SEEDED = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 7,
+          "ignore_eos": True}
+
+
+def test_n_choices_are_seeded_streams_reproducible_and_distinct(server, engine_f32):
+    got = _post(server, "completions", {**SEEDED, "n": 3})
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in got["choices"]]
+    assert len(set(texts)) == 3, texts  # each choice its own stream
+    assert [c["text"] for c in _post(server, "completions", {**SEEDED, "n": 3})["choices"]] \
+        == texts
+    # Choice i is the request with seed + i (vLLM's rule), alone.
+    assert [_post(server, "completions", {**SEEDED, "seed": 7 + i})["choices"][0]["text"]
+            for i in range(3)] == texts
+    prompt_len = len(engine_f32.tokenizer.encode(SEEDED["prompt"]))
+    assert got["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 24,
+                            "total_tokens": prompt_len + 24}
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_n_choices_stream_with_one_usage_chunk(server, path):
+    body = {**SEEDED, "n": 2, "stream_options": {"include_usage": True}}
+    if path != "completions":
+        body = {**body, "messages": CHAT}
+        del body["prompt"]
+    full = _post(server, path, body)
+    chunks = _stream(server, path, body)
+    key = "text" if path == "completions" else "message"
+    want = {c["index"]: c[key] if key == "text" else c[key]["content"]
+            for c in full["choices"]}
+    assert _texts(chunks, key) == want
+    usage = [c for c in chunks if c.get("usage")]
+    assert usage == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == full["usage"]
+    if path != "completions":  # each choice's first delta names the role
+        firsts = {}
+        for chunk in chunks:
+            for c in chunk["choices"]:
+                firsts.setdefault(c["index"], c["delta"])
+        assert all(d.get("role") == "assistant" for d in firsts.values()) and len(firsts) == 2
+
+
+def _engine_top(engine, ids: list[int], max_tokens: int, k: int, **kw) -> Request:
+    req = Request("top", ids, greedy(max_tokens, logprobs=True, top_logprobs=k, **kw))
+    run_engine(engine, [req])
+    return req
+
+
+def test_completion_top_logprobs_equal_engine(server, engine_f32):
+    tok = engine_f32.tokenizer
+    want = _engine_top(engine_f32, tok.encode(PROMPT), 6, 3)
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    lp = _post(server, "completions", body)["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx(want.output_logprobs, abs=1e-4)
+    for pos, (token, top) in enumerate(zip(lp["tokens"], lp["top_logprobs"], strict=True)):
+        # The chosen token and the 3 likeliest (here, greedy: the chosen is among them).
+        expect = {tok.decode([t]): v for t, v in want.output_top_logprobs[pos]}
+        assert top.keys() == expect.keys() and token in top
+        assert list(top.values()) == pytest.approx(list(expect.values()), abs=1e-4)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(6)]
+    # Streamed: the same, chunk by chunk.
+    chunks = _stream(server, "completions", body)
+    streamed = [t for c in chunks for t in c["choices"][0]["logprobs"]["top_logprobs"]]
+    assert streamed == lp["top_logprobs"]
+
+
+def test_chat_top_logprobs_equal_engine(server, engine_f32):
+    tok = engine_f32.tokenizer
+    want = _engine_top(engine_f32, tok.encode(tok.apply_chat_template(CHAT)), 6, 4)
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "top_logprobs": 4}
+    content = _post(server, "chat/completions", body)["choices"][0]["logprobs"]["content"]
+    for entry, lp, top in zip(content, want.output_logprobs, want.output_top_logprobs,
+                              strict=True):
+        assert entry["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert [e["token"] for e in entry["top_logprobs"]] == [tok.decode([t]) for t, _ in top]
+        assert [e["logprob"] for e in entry["top_logprobs"]] == \
+            pytest.approx([v for _, v in top], abs=1e-4)
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy
+    chunks = _stream(server, "chat/completions", body)
+    assert [e for c in chunks if c["choices"] for e in c["choices"][0]["logprobs"]["content"]] \
+        == content
+
+
+def test_penalties_equal_engine(server, engine_f32):
+    prompt = "one two three one two three one two"
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    req = Request("pen", engine_f32.tokenizer.encode(prompt),
+                  greedy(10, ignore_eos=True, **penalties))
+    want = run_engine(engine_f32, [req])["pen"]
+    plain = _post(server, "completions", {"prompt": prompt, "max_tokens": 10,
+                                          "temperature": 0, "ignore_eos": True})
+    got = _post(server, "completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                        "ignore_eos": True, **penalties})
+    assert got["choices"][0]["text"] == want.text != plain["choices"][0]["text"]
+
+
+def test_echo_prepends_the_prompt(server, engine_f32):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "completions", body)["choices"][0]["text"]
+    assert _post(server, "completions", {**body, "echo": True})["choices"][0]["text"] == \
+        PROMPT + plain
+    chunks = _stream(server, "completions", {**body, "echo": True})
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert _texts(chunks, "text") == {0: PROMPT + plain}
+    ids = engine_f32.tokenizer.encode(PROMPT)  # token ids echo as their text
+    echoed = _post(server, "completions", {**body, "prompt": ids, "echo": True})
+    assert echoed["choices"][0]["text"] == engine_f32.tokenizer.decode(ids) + plain

@@ -127,7 +127,7 @@ def settle(conn: PDConnector) -> list[RequestOutput]:
 
 
 def admit(conn: PDConnector, engine: FakeEngine, req: Request) -> None:
-    assert conn.on_add(req) == (42, -0.5)
+    assert conn.on_add(req) == (42, -0.5, [])
     req.token_ids.append(42)  # what the engine does with the first token
     engine.scheduler.add(req)
     sched = engine.scheduler.schedule()

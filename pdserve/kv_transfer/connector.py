@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request, RequestOutput, Status
-from pdserve.kv_transfer.base import DONE, RENEW, IncompatibleKV, Peer, Transport
+from pdserve.kv_transfer.base import DONE, RENEW, Misconfigured, Peer, Transport
 from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -156,6 +156,11 @@ class PDConnector:
             "first_token_logprob": req.output_logprobs[0],
         }
 
+    def end_leases(self) -> None:
+        """The server is going away: end every lease now (the next poll frees the blocks)."""
+        for lease in self.leases.leases.values():
+            lease.deadline = 0.0
+
     def _handle_notifications(self) -> None:
         for msg in self.transport.notifications():
             if msg.startswith(DONE):
@@ -199,7 +204,7 @@ class PDConnector:
             except Exception as e:  # handshake refused, timed out, or incompatible
                 # A misconfigured pair is an error to report, whatever the policy.
                 self._fail_pulls(key, f"KV handshake with {key[0]}:{key[1]} failed: {e}",
-                                 outputs, force=isinstance(e, IncompatibleKV))
+                                 outputs, force=isinstance(e, Misconfigured))
                 continue
             self.peers[key] = peer
             for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:

@@ -5,6 +5,7 @@ network I/O) run on a helper thread and are picked up by poll()."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
 
 log = logging.getLogger("pdserve.kv_transfer")
-
+# Fault injection for tests, off unless set: the decode waits this long (blocking its engine
+# thread) between the handshake and posting a READ, a window to kill the prefill mid-pull.
+FAULT_TRANSFER_DELAY_S = float(os.environ.get("PDSERVE_FAULT_TRANSFER_DELAY_S") or 0)
 
 
 @dataclass(slots=True)
@@ -170,8 +173,8 @@ class PDConnector:
 
     def _expire_leases(self) -> None:
         for rid, blocks in self.leases.expire():
-            log.warning("lease on %d blocks of request %s expired: no decode read them",
-                        len(blocks), rid)
+            log.warning("request %s: lease on %d blocks expired: no decode read them", rid,
+                        len(blocks))
             self.metrics.lease_expired.inc()
             self._free(blocks)
 
@@ -219,6 +222,10 @@ class PDConnector:
 
     def _start_read(self, pull: Pull, outputs: list[RequestOutput]) -> None:
         local = pull.req.block_ids[:len(pull.block_ids)]
+        if FAULT_TRANSFER_DELAY_S:
+            log.warning("request %s: fault injection: holding its KV READ for %gs",
+                        pull.req.request_id, FAULT_TRANSFER_DELAY_S)
+            time.sleep(FAULT_TRANSFER_DELAY_S)
         try:
             pull.handle = self.transport.read(pull.peer, local, pull.block_ids,
                                               DONE + pull.request_id.encode())
@@ -284,8 +291,8 @@ class PDConnector:
         try:
             self.transport.release(pull.host, pull.port, pull.request_id)
         except Exception as e:  # best effort: the prefill's lease frees them anyway
-            log.info("could not release %s on %s:%d: %s", pull.request_id, pull.host,
-                     pull.port, e)
+            log.info("request %s: could not release its blocks on %s:%d: %s",
+                     pull.request_id, pull.host, pull.port, e)
 
     def _log_stats(self, now: float) -> None:
         if now - self._last_log < 10:

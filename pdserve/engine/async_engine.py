@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
@@ -38,6 +39,24 @@ class StreamingClient:
                 self._abort(req.request_id)
             self._streams.pop(req.request_id, None)
             self._done(req.request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self._abort(request_id)
+
+    async def idle(self) -> bool:
+        """Nothing running, waiting or held for remote decodes, on every rank (as the
+        metrics say, which covers ranks in other processes too)."""
+        text = (await self.metrics()).decode()
+        return not any(s.value for fam in text_string_to_metric_families(text)
+                       if fam.name in _BUSY for s in fam.samples)
+
+    def expire_leases(self) -> None:
+        """End every lease on blocks held for remote decodes (the server is going away)."""
+        raise NotImplementedError
+
+    async def metrics(self) -> bytes:
+        raise NotImplementedError
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their requests' queues (from any thread)."""
@@ -74,6 +93,9 @@ class AsyncEngine(StreamingClient):
     def _abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
 
+    def expire_leases(self) -> None:
+        self.loop.expire_leases()
+
     async def metrics(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -82,6 +104,10 @@ class AsyncEngine(StreamingClient):
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+
+
+_BUSY = ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
+         "pdserve_kv_blocks_held_for_remote")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -3,7 +3,8 @@ agent, engine id (`<id>_dp<rank>`) and side-channel port (base + rank), behind o
 server that sends each request to the rank with the least outstanding work.
 
 Ranks talk to the server over local ZMQ (ipc) sockets, pickled messages: the server
-pushes ("add", Request) / ("abort", id) / ("metrics", n) / ("stop",) to each rank, and
+pushes ("add", Request) / ("abort", id) / ("metrics", n) / ("expire_leases",) / ("stop",)
+to each rank, and
 every rank pushes ("ready", rank, info, summary) / ("error", rank, msg) / ("out", outputs) /
 ("metrics", n, families) back on one shared socket. A rank that dies fails its requests
 with an error, gets no more, and makes the server unhealthy (so it is restarted)."""
@@ -116,6 +117,10 @@ class DPEngine(StreamingClient):
     def _abort(self, request_id: str) -> None:
         if (rank := self._owner.get(request_id)) is not None:
             self._send(rank, ("abort", request_id))
+
+    def expire_leases(self) -> None:
+        for rank in range(len(self._procs)):
+            self._send(rank, ("expire_leases",))
 
     def _done(self, request_id: str) -> None:
         if (rank := self._owner.pop(request_id, None)) is not None:
@@ -251,6 +256,8 @@ def run_rank(spec: RankSpec) -> None:
             loop.add(msg[1])
         elif msg[0] == "abort":
             loop.abort(msg[1])
+        elif msg[0] == "expire_leases":
+            loop.expire_leases()
         elif msg[0] == "metrics":
             send(("metrics", msg[1], list(registry.collect())))
         else:

@@ -33,6 +33,9 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
 
+    def expire_leases(self) -> None:
+        self._submit("expire_leases", None)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -66,6 +69,9 @@ class EngineLoop:
         for kind, item in inbox:
             if kind == "add":
                 outputs += self.engine.add_request(item)
+            elif kind == "expire_leases":
+                if self.engine.connector is not None:
+                    self.engine.connector.end_leases()
             elif (out := self.engine.abort_request(item)) is not None:
                 outputs.append(out)
         return outputs

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -12,11 +14,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
 from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput, TopLogprobs
+from pdserve.entrypoints.admission import Admission, Ticket
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,6 +30,8 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.streams import merge_streams
 from pdserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.api")
 
 
 class HTTPError(Exception):
@@ -45,6 +51,8 @@ class ServerState:
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
     api_key: str | None = None
     served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
+    admission: Admission = field(default_factory=Admission)
+    request_timeout: float | None = None  # seconds; a request's own may be shorter
 
     @property
     def names(self) -> list[str]:
@@ -59,14 +67,17 @@ def build_app(state: ServerState) -> FastAPI:
     require_api_key(app, state.api_key)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> JSONResponse:
+        if state.admission.draining:  # load balancers take it out of rotation
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.healthy():
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
+        text = await state.engine.metrics() + generate_latest(state.admission.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -143,40 +154,130 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
     if params and body.n > 1:  # a prefill answers one set of params per request
         raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
                              "requests (pdserve's proxy does)")
-    request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
-    return [EngineRequest(f"{request_id}-{uuid.uuid4().hex[:8]}", ids,
+    # The engine's ids keep the client's X-Request-Id (so every log line about the request
+    # names it) plus a suffix: one server may see the same id twice (prefill and decode,
+    # or the choices of n).
+    return [EngineRequest(f"{request_id(raw)}-{uuid.uuid4().hex[:8]}", ids,
                           body.sampling_params(max_tokens, i), params or None)
             for i in range(body.n)]
 
 
+def request_id(raw: Request) -> str:
+    """The client's X-Request-Id, or one made up for this request (echoed in the answer)."""
+    if not hasattr(raw.state, "request_id"):
+        raw.state.request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+    return raw.state.request_id
+
+
 async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, raw: Request,
                    fmt: _Format) -> Response:
-    headers = {"X-Request-Id": raw.headers.get("x-request-id") or reqs[0].request_id}
-    outputs = merge_streams([state.engine.generate(r) for r in reqs])
-    if body.stream:
+    ticket = state.admission.admit()
+    if not isinstance(ticket, Ticket):
+        log.warning("request %s: refused with %d: %s", reqs[0].request_id, *ticket)
+        raise HTTPError(*ticket, "rate_limit_exceeded" if ticket[0] == 429 else
+                        "service_unavailable")
+    for req in reqs:
+        log.info("request %s: %d prompt tokens, max_tokens %d%s", req.request_id,
+                 req.num_prompt_tokens, req.params.max_tokens, _role(req))
+    timeout = min(t for t in (state.request_timeout, body.request_timeout, float("inf"))
+                  if t is not None)
+    outputs = _released(merge_streams([_run(state, r, timeout) for r in reqs]), ticket)
+    headers = {"X-Request-Id": request_id(raw)}
+    if body.stream:  # Starlette cancels the stream when the client goes
         return StreamingResponse(_sse(fmt, outputs), media_type="text/event-stream",
-                                 headers=headers)
+                                 headers=headers, background=BackgroundTask(ticket.release))
+    collect = asyncio.ensure_future(_collect(fmt, outputs))
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # cancelling the collector closes the stream, which aborts the request
+        for task in (gone, collect):
+            task.cancel()
+        await asyncio.gather(collect, return_exceptions=True)
+        ticket.release()
+    if collect.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    collect.result()  # raises the request's HTTPError
+    return JSONResponse(fmt.final(), headers=headers)
+
+
+def _role(req: EngineRequest) -> str:
+    p = req.kv_transfer_params or {}
+    return ", prefill for a remote decode" if p.get("do_remote_decode") else \
+        ", decode of a remote prefill" if p.get("do_remote_prefill") else ""
+
+
+async def _released(outputs: AsyncIterator[RequestOutput],
+                    ticket: Ticket) -> AsyncIterator[RequestOutput]:
+    """`outputs`, releasing the request's admission ticket when they end, however."""
+    try:
+        async for out in outputs:
+            yield out
+    finally:
+        await outputs.aclose()
+        ticket.release()
+
+
+async def _run(state: ServerState, req: EngineRequest,
+               timeout: float) -> AsyncIterator[RequestOutput]:
+    """The request's outputs; an HTTPError if it fails, is aborted by a drain or runs past
+    `timeout` seconds (which aborts it and frees its KV)."""
+    outputs = state.engine.generate(req)
+    deadline = asyncio.get_running_loop().time() + timeout
+    n, how = 0, "aborted (client gone)"
+    try:
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                out = await asyncio.wait_for(anext(outputs), None if timeout == float("inf")
+                                             else max(left, 0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                state.admission.timeouts.inc()
+                how = f"aborted at its time limit ({timeout:g}s)"
+                raise HTTPError(504, f"the request timed out after {timeout:g}s (server "
+                                     "--request-timeout or the request's request_timeout); "
+                                     f"{n} tokens were generated", "timeout") from None
+            n += len(out.new_token_ids)
+            if out.error:
+                how = f"failed: {out.error}"
+                raise HTTPError(500, out.error, "internal_error")
+            if out.finish_reason == "abort":  # only a drain aborts a request we still read
+                how = "aborted by the drain"
+                raise HTTPError(503, "the request was aborted: the server is shutting down "
+                                     "(--drain-timeout passed)", "service_unavailable")
+            yield out
+            if out.finished:
+                how = f"finished ({out.finish_reason})"
+                return
+    finally:
+        await outputs.aclose()
+        log.info("request %s: %s after %.2fs, %d tokens", req.request_id, how,
+                 time.monotonic() - req.arrival_time, n)
+
+
+async def _collect(fmt: _Format, outputs: AsyncIterator[RequestOutput]) -> None:
     async for out in outputs:
         fmt.add(out)
-        if out.error:
-            raise HTTPError(500, out.error, "internal_error")
-        if not out.finished and await raw.is_disconnected():
-            break  # leaving the loop closes the stream, which aborts the request
-    await outputs.aclose()
-    return JSONResponse(fmt.final(), headers=headers)
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns once the client has gone (the body is read, so the next message says so)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(fmt: _Format, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     try:
         async for out in outputs:
-            if out.error:
-                yield _event(error_body(out.error, 500, "internal_error"))
-                break
             for chunk in fmt.chunks(out):
                 yield _event(chunk)
-        yield "data: [DONE]\n\n"
+    except HTTPError as e:
+        yield _event(error_body(e.message, e.status, e.kind))
     finally:
         await outputs.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def _event(obj: dict) -> str:
@@ -324,15 +425,16 @@ class _ChatFormat(_Format):
                 "logprobs": self._logprobs(c.tokens, c.logprobs, c.top_logprobs)}
 
 
-async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.status, exc.kind, exc.param),
-                        status_code=exc.status)
+                        status_code=exc.status, headers={"X-Request-Id": request_id(raw)})
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
     parts = []
     for err in exc.errors():
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     message = "; ".join(parts) or "invalid request body"
-    return JSONResponse(error_body(message, 400), status_code=400)
+    return JSONResponse(error_body(message, 400), status_code=400,
+                        headers={"X-Request-Id": request_id(raw)})

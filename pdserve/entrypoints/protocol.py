@@ -36,6 +36,7 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    request_timeout: float | None = Field(default=None, gt=0)  # s; pdserve's extension
 
     @field_validator("stop")
     @classmethod

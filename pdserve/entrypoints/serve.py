@@ -37,6 +37,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the model's own)")
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Limits of the HTTP server in front of the engine (`serve`, and `up` passes them on)."""
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests that may wait beyond the running ones (max-num-seqs per "
+                        "rank); more get 429 (default: no limit)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it is aborted with a 504 "
+                        "(default: no limit; a request may ask for less: request_timeout)")
+    p.add_argument("--drain-timeout", type=float, default=30,
+                   help="on SIGTERM, seconds running requests get to finish before they are "
+                        "aborted (default %(default)s)")
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ConfigError(f"--request-timeout must be positive, got {args.request_timeout}")
+    if args.drain_timeout < 0:
+        raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pdserve.platforms.cpu import default_dtype
 
@@ -57,6 +79,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_engine_args(p)
+    add_server_args(p)
     p.add_argument("--kv-transfer-config", default=None,
                    help='JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"}')
     p.add_argument("--kv-side-channel-host",
@@ -73,10 +96,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pdserve.entrypoints.admission import Admission
     from pdserve.entrypoints.api_server import build_app
+    from pdserve.entrypoints.drain import DrainingServer
     from pdserve.model.loader import ModelLoadError
 
     cfg = engine_config(args)
+    check_server_args(args)
     kv = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config \
         else None
     if args.data_parallel_size < 1:
@@ -87,10 +113,14 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    state.admission = Admission(cfg.max_num_seqs * args.data_parallel_size, args.max_queue)
+    state.request_timeout = args.request_timeout
     log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), cfg.dtype,
              state.engine.describe(), args.host, args.port)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            log_level="warning")
     try:
-        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+        DrainingServer(config, state, args.drain_timeout).run()
     finally:
         state.engine.shutdown()
     return 0

@@ -33,7 +33,7 @@ class Instance:
 
 
 def add_parser(sub) -> None:
-    from pdserve.entrypoints.serve import add_engine_args
+    from pdserve.entrypoints.serve import add_engine_args, add_server_args
 
     p = sub.add_parser("up", help="start prefill + decode + proxy on this host",
                        description="Start N prefill and M decode instances of `pdserve serve` "
@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--startup-timeout", type=float, default=300)
     add_engine_args(p)
+    add_server_args(p)
     p.set_defaults(run=run)
 
 
@@ -101,7 +102,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags given to `up`, passed through to every instance."""
     flags = ["model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks",
              "kv_layout", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
-             "served_model_name"]
+             "served_model_name", "max_queue", "request_timeout", "drain_timeout"]
     argv: list[str] = []
     for f in flags:
         if (v := getattr(args, f)) is not None:
@@ -140,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.5)
         return 0
-    finally:
-        _stop_all(instances)
+    finally:  # SIGTERM to each: servers drain, the proxy finishes its open streams
+        _stop_all(instances, args.drain_timeout + 10)
 
 
 def _start(inst: Instance) -> None:
@@ -177,11 +178,11 @@ def _wait_healthy(instances: list[Instance], timeout: float, stopping) -> bool:
     return not pending
 
 
-def _stop_all(instances: list[Instance]) -> None:
+def _stop_all(instances: list[Instance], timeout: float) -> None:
     live = [i for i in instances if i.proc is not None and i.proc.poll() is None]
     for inst in live:
         _signal(inst, signal.SIGTERM)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + timeout
     for inst in live:
         try:
             inst.proc.wait(max(deadline - time.monotonic(), 0.1))

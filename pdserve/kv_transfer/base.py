@@ -15,7 +15,12 @@ XferState = Literal["DONE", "PROC", "ERR"]
 DONE, RENEW = b"done:", b"renew:"
 
 
-class IncompatibleKV(RuntimeError):
+class Misconfigured(RuntimeError):
+    """The two sides refuse each other until a person fixes their configuration: retrying
+    or recomputing would hide it, so the client gets the error whatever the policy."""
+
+
+class IncompatibleKV(Misconfigured):
     """The two sides' KV layouts cannot be read into each other; the message says how."""
 
 

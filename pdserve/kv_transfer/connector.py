@@ -5,6 +5,7 @@ network I/O) run on a helper thread and are picked up by poll()."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
-from pdserve.kv_transfer.base import DONE, RENEW, IncompatibleKV, Peer, Transport
+from pdserve.kv_transfer.base import DONE, RENEW, Misconfigured, Peer, Transport
 from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
 
 log = logging.getLogger("pdserve.kv_transfer")
-
+# Fault injection for tests, off unless set: the decode waits this long (blocking its engine
+# thread) between the handshake and posting a READ, a window to kill the prefill mid-pull.
+FAULT_TRANSFER_DELAY_S = float(os.environ.get("PDSERVE_FAULT_TRANSFER_DELAY_S") or 0)
 
 
 @dataclass(slots=True)
@@ -160,6 +163,11 @@ class PDConnector:
             req.response_kv_params["first_token_top_logprobs"] = [
                 [t, lp] for t, lp in req.output_top_logprobs[0]]
 
+    def end_leases(self) -> None:
+        """The server is going away: end every lease now (the next poll frees the blocks)."""
+        for lease in self.leases.leases.values():
+            lease.deadline = 0.0
+
     def _handle_notifications(self) -> None:
         for msg in self.transport.notifications():
             if msg.startswith(DONE):
@@ -169,8 +177,8 @@ class PDConnector:
 
     def _expire_leases(self) -> None:
         for rid, blocks in self.leases.expire():
-            log.warning("lease on %d blocks of request %s expired: no decode read them",
-                        len(blocks), rid)
+            log.warning("request %s: lease on %d blocks expired: no decode read them", rid,
+                        len(blocks))
             self.metrics.lease_expired.inc()
             self._free(blocks)
 
@@ -203,7 +211,7 @@ class PDConnector:
             except Exception as e:  # handshake refused, timed out, or incompatible
                 # A misconfigured pair is an error to report, whatever the policy.
                 self._fail_pulls(key, f"KV handshake with {key[0]}:{key[1]} failed: {e}",
-                                 outputs, force=isinstance(e, IncompatibleKV))
+                                 outputs, force=isinstance(e, Misconfigured))
                 continue
             self.peers[key] = peer
             for pull in [p for p in self.pulls.values() if (p.host, p.port) == key]:
@@ -226,6 +234,10 @@ class PDConnector:
             self._loaded(pull)
             return
         local = pull.req.block_ids[skip:len(pull.block_ids)]
+        if FAULT_TRANSFER_DELAY_S:
+            log.warning("request %s: fault injection: holding its KV READ for %gs",
+                        pull.req.request_id, FAULT_TRANSFER_DELAY_S)
+            time.sleep(FAULT_TRANSFER_DELAY_S)
         try:
             pull.handle = self.transport.read(pull.peer, local, pull.block_ids[skip:],
                                               DONE + pull.request_id.encode())
@@ -298,8 +310,8 @@ class PDConnector:
         try:
             self.transport.release(pull.host, pull.port, pull.request_id)
         except Exception as e:  # best effort: the prefill's lease frees them anyway
-            log.info("could not release %s on %s:%d: %s", pull.request_id, pull.host,
-                     pull.port, e)
+            log.info("request %s: could not release its blocks on %s:%d: %s",
+                     pull.request_id, pull.host, pull.port, e)
 
     def _log_stats(self, now: float) -> None:
         if now - self._last_log < 10:

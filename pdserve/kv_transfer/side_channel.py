@@ -15,6 +15,7 @@ import msgspec
 import zmq
 
 from pdserve.config import ConfigError
+from pdserve.kv_transfer.base import Misconfigured
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -23,6 +24,10 @@ MAX_MESSAGE_BYTES = 64 * 1024  # a handshake request is tiny; anything larger is
 
 class HandshakeError(RuntimeError):
     pass
+
+
+class SecretRefused(HandshakeError, Misconfigured):
+    """The prefill refused our side_channel_secret."""
 
 
 class SideChannelServer:
@@ -77,7 +82,8 @@ class SideChannelServer:
         if self._secret is not None and not hmac.compare_digest(
                 str(msg.get("secret", "")).encode(), self._secret.encode()):
             return {"error": "wrong or missing side_channel_secret (set the same "
-                              "kv_connector_extra_config.side_channel_secret on both sides)"}
+                              "kv_connector_extra_config.side_channel_secret on both sides)",
+                    "unauthorized": True}
         if msg["type"] == "release":  # a decode that cannot read gives the blocks back
             if not isinstance(rid := msg.get("request_id"), str):
                 return {"error": "release needs a request_id string"}
@@ -116,6 +122,8 @@ def _ask(host: str, port: int, msg: dict[str, Any], timeout_s: float,
         raise HandshakeError(f"side channel {host}:{port} failed: {e}") from None
     finally:
         sock.close()
+    if isinstance(reply, dict) and reply.get("unauthorized"):
+        raise SecretRefused(f"{host}:{port} refused: {reply.get('error')}")
     if not isinstance(reply, dict) or "ok" not in reply:
         raise HandshakeError(f"{host}:{port} refused: "
                              f"{reply.get('error') if isinstance(reply, dict) else reply}")

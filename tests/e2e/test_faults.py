@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -119,3 +120,55 @@ def test_proxy_skips_a_down_backend_and_names_them_when_all_are_down(mono):
         assert bad.status_code == 400
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_in_the_middle_of_the_pull(mono, policy, reliability_row):
+    row = reliability_row(f"prefill SIGKILLed mid-pull ({policy})",
+                          "decode handshaken and about to READ (held 3 s by "
+                          "PDSERVE_FAULT_TRANSFER_DELAY_S), prefill SIGKILLed in that window",
+                          "recompute: output token-identical to monolithic; fail: a clear "
+                          "5xx; either way within transfer_timeout, decode pool whole")
+    prefill = _serve(_kv())
+    decode = None
+    try:
+        kv = json.dumps({**json.loads(_kv(policy)), "kv_connector_extra_config": {
+            "handshake_timeout": 2, "transfer_timeout": 5}})
+        decode = _serve(kv, env={"PDSERVE_FAULT_TRANSFER_DELAY_S": "3"})
+        params = _prefill(prefill.url)
+        result: list[httpx.Response] = []
+        pull = threading.Thread(target=lambda: result.append(httpx.post(
+            decode.url + "/v1/completions", json=_body(kv_transfer_params=params),
+            timeout=120)))
+        start = time.monotonic()
+        pull.start()
+        deadline = start + 60
+        while "holding its KV READ" not in decode.log():
+            assert time.monotonic() < deadline, decode.log()[-2000:]
+            time.sleep(0.05)
+        os.killpg(prefill.proc.pid, signal.SIGKILL)
+        prefill.proc.wait()
+        pull.join(120)
+        took = time.monotonic() - start
+        r = result[0]
+        assert took < 60  # handshake + the 3 s hold + transfer_timeout, with room to spare
+        if policy == "recompute":
+            want = httpx.post(mono.url + "/v1/completions", json=_body(), timeout=60).json()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+            outcome = "200, text identical to monolithic"
+        else:
+            message = r.json()["error"]["message"]
+            assert r.status_code >= 500 and "KV read" in message, r.text
+            outcome = f"{r.status_code}: {message.replace(str(params['remote_port']), 'PORT')}"
+        assert metric(decode.url, "pdserve_kv_transfer_failures_total") == 1
+        assert metric(decode.url, "pdserve_kv_transfers_total") == 0
+        wait_for_metric(decode.url, "pdserve_kv_blocks_free",
+                        metric(decode.url, "pdserve_kv_blocks_total"))
+        assert httpx.get(decode.url + "/health", timeout=10).status_code == 200
+    finally:
+        prefill.stop()
+        if decode is not None:
+            decode.stop()
+    row.observed(f"{outcome}; the request ended {took:.1f}s after it was sent; decode pool "
+                 "whole, healthy")

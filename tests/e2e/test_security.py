@@ -94,16 +94,20 @@ def test_backend_api_key_flag(keyed, reliability_row):
     row.observed("200 with --backend-api-key; the backends' 401 relayed with a wrong one")
 
 
-@pytest.mark.parametrize("secret", [None, "another-secret"])
-def test_decode_without_the_secret_is_refused_at_handshake(keyed, secret, reliability_row):
+@pytest.mark.parametrize("secret,policy", [(None, "fail"), ("another-secret", "fail"),
+                                           ("another-secret", "recompute")])
+def test_decode_without_the_secret_is_refused_at_handshake(keyed, secret, policy,
+                                                           reliability_row):
     prefill, _, _, stranger = keyed
     which = "another" if secret else "no"
-    row = reliability_row(f"side_channel_secret: decode with {which} secret",
+    # A refused secret is a misconfiguration, not a transient failure: never recomputed.
+    row = reliability_row(f"side_channel_secret: decode with {which} secret ({policy})",
                           "prefill keyed with a secret; a decode without it pulls its KV",
-                          "refused at handshake, a clear error to the client; both servers "
-                          "healthy, no blocks leaked (the lease frees the prefill's)")
+                          "refused at handshake, a clear error to the client whatever the "
+                          "policy; both servers healthy, no blocks leaked (the lease frees "
+                          "the prefill's)")
     decode = stranger if secret is None else serve(
-        kv_config("fail", side_channel_secret=secret), "--api-key", ENV_KEY)
+        kv_config(policy, side_channel_secret=secret), "--api-key", ENV_KEY)
     try:
         r = httpx.post(prefill.url + "/v1/completions", headers=_auth(KEY), timeout=60,
                        json={**BODY, "max_tokens": 1,

@@ -14,6 +14,7 @@ import zmq
 from pdserve.kv_transfer.side_channel import (
     MAX_MESSAGE_BYTES,
     HandshakeError,
+    SecretRefused,
     SideChannelServer,
     handshake,
     release,
@@ -135,13 +136,13 @@ def test_hostile_peers_do_not_stop_the_listener(open_prefill, reliability_row):
 def test_wrong_secret_is_refused_with_a_clear_message(keyed_prefill, reliability_row):
     row = reliability_row("side channel: wrong, missing or non-ASCII secret",
                           "handshake()/release() to a keyed SideChannelServer",
-                          "HandshakeError naming side_channel_secret; nothing released; "
+                          "SecretRefused naming side_channel_secret; nothing released; "
                           "the right secret still works")
     port = keyed_prefill.port
     for secret in (None, "", "wrong", SECRET + "x", SECRET[:-1], "é" * 1000):
-        with pytest.raises(HandshakeError, match="wrong or missing side_channel_secret"):
+        with pytest.raises(SecretRefused, match="wrong or missing side_channel_secret"):
             handshake("127.0.0.1", port, 5, secret)
-        with pytest.raises(HandshakeError, match="side_channel_secret"):
+        with pytest.raises(SecretRefused, match="side_channel_secret"):
             release("127.0.0.1", port, "req-1", 5, secret)
     # A secret of the wrong type is refused too, not a crash.
     for secret in (123, None, [SECRET], {"s": SECRET}, SECRET.encode()):
@@ -151,10 +152,10 @@ def test_wrong_secret_is_refused_with_a_clear_message(keyed_prefill, reliability
     _assert_alive(port, SECRET)
     release("127.0.0.1", port, "req-1", 5, SECRET)
     assert keyed_prefill.released == ["req-1"]
-    with pytest.raises(HandshakeError) as e:
+    with pytest.raises(SecretRefused) as e:
         handshake("127.0.0.1", port, 5, "wrong")
     message = str(e.value).replace(str(port), "PORT")
-    row.observed(f"HandshakeError: {message}; right secret: handshake and release ok")
+    row.observed(f"SecretRefused: {message}; right secret: handshake and release ok")
 
 
 def test_a_failing_answer_is_an_error_reply_not_a_dead_listener():

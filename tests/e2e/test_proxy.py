@@ -47,7 +47,8 @@ def cluster():
         "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix",
                         "--prefix-max-imbalance", "0"),  # leave home when it is busier
     }
-    yield {"p0": p0.url, "p1": p1.url, "d0": d0.url, "d1": d1.url, "dead": dead, **proxies}
+    yield {"p0": p0.url, "p1": p1.url, "d0": d0.url, "d1": d1.url, "dead": dead,
+           "servers": dict(zip(("p0", "p1", "d0", "d1"), servers, strict=True)), **proxies}
     stop(*proxies.values(), *servers)
 
 
@@ -107,6 +108,11 @@ def test_metrics_request_id_and_retries(cluster):
     assert any(f"prefill {p0} -> decode {d0} answered 200" in line for line in mine)
     assert all("request rid-e2e-1: " in line for line in mine)
     assert f"request {generated}: " in log
+    # The prefill and the decode log it under the same id, with a suffix of their own.
+    for name in ("p0", "d0"):
+        server_log = cluster["servers"][name].log()
+        assert re.search(r"request rid-e2e-1-[0-9a-f]{8}: \d+ prompt tokens", server_log), \
+            (name, server_log[-2000:])
 
 
 def test_short_prompts_prefill_on_the_decode(cluster):

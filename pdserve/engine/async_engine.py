@@ -79,6 +79,7 @@ class AsyncEngine(StreamingClient):
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.engine.close()
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="ranks (processes) sharding each layer's heads and MLP; the model's "
+                   "heads and KV heads must divide by it")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -40,7 +43,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gib=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_threads=args.num_threads, seed=args.seed)
+        num_threads=args.num_threads, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size)
     cfg.validate()
     return cfg
 
@@ -118,7 +122,8 @@ def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     mcfg = ModelConfig.from_hf(loader.load_config(folder))
     tokenizer = Tokenizer.from_folder(folder, list(mcfg.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores
-        cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size)
+        cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size
+                              // cfg.tensor_parallel_size)
     side = (args.kv_side_channel_host, args.kv_side_channel_port)
     dp = DPEngine(cfg, kv, args.data_parallel_size, side)
     validate = None

@@ -129,7 +129,7 @@ class NixlTransport(Transport):
                                    notif)
         for region, ids, side in ((self.region, local_ids, "local"),
                                   (src.region, remote_ids, "remote")):
-            if ids and not (0 <= min(ids) and max(ids) < region.num_blocks):
+            if ids and not (min(ids) >= 0 and max(ids) < region.num_blocks):
                 raise ValueError(f"{side} block id out of range 0..{region.num_blocks - 1}")
         if not local_ids:
             self.agent.notify(src.agent, notif)

@@ -92,7 +92,7 @@ class TPGroup:
         then join the group with them."""
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=run_worker, args=(s,), name=f"engine-tp{s.tp_rank}",
-                             daemon=not mp.current_process().daemon) for s in specs]
+                             daemon=True) for s in specs]
         for p in procs:
             p.start()
         infos = _await_workers(store, procs, timeout)

@@ -29,9 +29,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                   help="ranks (processes) sharding each layer's heads and MLP; the model's "
-                   "heads and KV heads must divide by it")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -62,6 +59,9 @@ def add_parser(sub) -> None:
                    default=int(os.environ.get("PDSERVE_KV_SIDE_CHANNEL_PORT", "5600")))
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine ranks behind this server, each its own process")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes sharding each engine's layers (heads, MLP); the model's "
+                   "heads and KV heads must divide by it")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this Bearer key on /v1/* (env PDSERVE_API_KEY)")
     p.set_defaults(run=run)

@@ -9,8 +9,10 @@ as prefill or decode of each pair."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -111,6 +113,41 @@ def test_pd_across_tp_sizes_matches_monolithic(servers, prefill, decode):
             "the decode recomputed the prompt instead of reading its KV"
         pools_whole(p, d)  # the prefill freed the blocks: every reader has notified ...
         assert metric(p, "pdserve_kv_reader_notifications") - notified == readers  # ... once
+
+
+@pytest.fixture(scope="module")
+def up_dp2_tp2(tiny_llama):
+    """`pdserve up`: a DP2 x TP2 prefill (four ranks), a TP1 decode, the proxy."""
+    port, base, side = free_port(), free_port(count=2), free_port(count=5)
+    server = start_server(
+        ["up", "--model", str(tiny_llama), "--dtype", "float32", "--num-kv-blocks", "64",
+         "--kv-layout", "HND", "--prefill-dp", "2", "--prefill-tp", "2", "--decode-tp", "1",
+         "--port", str(port), "--base-port", str(base), "--side-channel-base-port", str(side)],
+        url=f"http://127.0.0.1:{port}", timeout=300, ready=lambda s: all(
+            httpx.get(f"http://127.0.0.1:{p}/health", timeout=1).status_code == 200
+            for p in (base, base + 1)))
+    yield server.url, f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", side
+    server.stop()
+
+
+def test_dp2_tp2_prefill_through_up_matches_monolithic(servers, up_dp2_tp2):
+    proxy, prefill, decode, side = up_dp2_tp2
+    ranks = httpx.get(prefill + "/v1/kv_transfer/info", timeout=10).json()["ranks"]
+    assert [(r["dp_rank"], r["tp_rank"], r["side_channel_port"]) for r in ranks] == \
+        [(0, 0, side), (0, 1, side + 1), (1, 0, side + 2), (1, 1, side + 3)]
+    prompts = PROMPTS * 2  # at once: the least-loaded choice spreads them over both DP ranks
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _complete(proxy, p), prompts))
+    for prompt, body in zip(prompts, got, strict=True):
+        assert _tokens(body) == _tokens(_complete(servers["tp1"], prompt)), prompt
+    assert metric(decode, "pdserve_prompt_tokens_computed_total") == 0
+    pools_whole(prefill, decode)
+    per_rank = re.findall(r'^pdserve_kv_reader_notifications{engine_id="([^"]+)"} (\S+)$',
+                          httpx.get(prefill + "/metrics", timeout=10).text, re.M)
+    # Two readers (the decode's one rank reads both prefill TP ranks) per request, on
+    # whichever DP rank took it.
+    assert len(per_rank) == 2 and sum(float(v) for _, v in per_rank) == 2 * len(prompts), \
+        per_rank
 
 
 def test_smollm2_tp2_is_refused_with_the_reason():

@@ -116,6 +116,29 @@ def test_pd_across_tp_sizes_matches_monolithic(servers, prefill, decode):
 
 
 @pytest.fixture(scope="module")
+def nhd_decode(tiny_llama):
+    server = start_server([
+        "serve", "--model", str(tiny_llama), "--dtype", "float32", "--num-kv-blocks", "64",
+        "--kv-layout", "NHD", "--kv-transfer-config", KV,
+        "--kv-side-channel-port", str(free_port())], timeout=300)
+    yield server.url
+    server.stop()
+
+
+def test_unequal_tp_with_nhd_is_refused_at_handshake(servers, nhd_decode):
+    p = servers["tp2"]
+    r = httpx.post(nhd_decode + "/v1/completions", timeout=120, json={
+        "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "kv_transfer_params":
+        _complete(p, PROMPTS[0], max_tokens=1,
+                  kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]})
+    message = r.json()["error"]["message"]
+    assert r.status_code >= 400 and "prefill TP=2 and decode TP=1 differ" in message, r.text
+    assert "--kv-layout HND" in message, message
+    pools_whole(p, nhd_decode)  # the refused decode gave the prefill its blocks back
+    assert _tokens(_complete(nhd_decode, PROMPTS[0]))  # still serving
+
+
+@pytest.fixture(scope="module")
 def up_dp2_tp2(tiny_llama):
     """`pdserve up`: a DP2 x TP2 prefill (four ranks), a TP1 decode, the proxy."""
     port, base, side = free_port(), free_port(count=2), free_port(count=5)

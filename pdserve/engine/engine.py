@@ -19,7 +19,14 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, Status
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.tensor_parallel import TPGroup, TPModel, WorkerSpec, load_model, new_store
+from pdserve.engine.tensor_parallel import (
+    TPGroup,
+    TPModel,
+    WorkerSpec,
+    load_model,
+    new_store,
+    spawn_workers,
+)
 from pdserve.model import loader
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import ModelConfig
@@ -66,8 +73,12 @@ class LLMEngine:
             config.kv_cache_memory_gib * 2**30 // shape.block_bytes(self.dtype))
         self.tp_group = None
         if tp > 1:
-            self.tp_group = self._launch_tp(kv_config, engine_id, side_channel, num_blocks)
+            store = new_store()
+            workers = spawn_workers(self._worker_specs(kv_config, engine_id, side_channel,
+                                                       num_blocks, store.port))
         model = load_model(config, folder, local, self.dtype, self.device)
+        if tp > 1:
+            self.tp_group = TPGroup.join(workers, store, self.platform)
         self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(config, self.allocator)
@@ -85,16 +96,15 @@ class LLMEngine:
             self.connector = make_connector(kv_config, self, registry, side_channel)
         self._update_gauges()
 
-    def _launch_tp(self, kv: KVTransferConfig | None, engine_id: str,
-                   side_channel: tuple[str, int], num_blocks: int) -> TPGroup:
-        c, store = self.config, new_store()
+    def _worker_specs(self, kv: KVTransferConfig | None, engine_id: str,
+                      side_channel: tuple[str, int], num_blocks: int, store_port: int
+                      ) -> list[WorkerSpec]:
+        c, (host, port) = self.config, side_channel
         engine_id = engine_id or (kv.engine_id if kv else "local")
-        host, port = side_channel
-        specs = [WorkerSpec(r, c.tensor_parallel_size, c, kv, engine_id, self.dp_rank,
-                            (host, port + r), num_blocks,
-                            self.dp_rank * c.tensor_parallel_size + r, store.port)
-                 for r in range(1, c.tensor_parallel_size)]
-        return TPGroup.launch(specs, store, self.platform)
+        return [WorkerSpec(r, c.tensor_parallel_size, c, kv, engine_id, self.dp_rank,
+                           (host, port + r), num_blocks,
+                           self.dp_rank * c.tensor_parallel_size + r, store_port)
+                for r in range(1, c.tensor_parallel_size)]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (the step loop must be stopped first)."""

@@ -16,8 +16,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -86,17 +88,12 @@ class TPGroup:
         self.worker_infos: list[dict] = []  # each worker's KV-transfer info
 
     @classmethod
-    def launch(cls, specs: list[WorkerSpec], store: dist.TCPStore, platform: Platform,
-               timeout: float = 300) -> TPGroup:
-        """Start the workers (rank 0 is the caller), wait until each has built its shard,
-        then join the group with them."""
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=run_worker, args=(s,), name=f"engine-tp{s.tp_rank}",
-                             daemon=True) for s in specs]
-        for p in procs:
-            p.start()
+    def join(cls, procs: list[mp.Process], store: dist.TCPStore, platform: Platform,
+             timeout: float = 300) -> TPGroup:
+        """Rank 0: wait until every worker (spawn_workers) has built its shard, then form
+        the group with them."""
         infos = _await_workers(store, procs, timeout)
-        group = cls(0, len(specs) + 1, store, platform.dist_backend(), platform.device())
+        group = cls(0, len(procs) + 1, store, platform.dist_backend(), platform.device())
         group.procs, group.worker_infos = procs, infos
         atexit.register(group.stop)
         return group
@@ -128,6 +125,8 @@ class TPGroup:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        with suppress(RuntimeError):  # a broken group (a worker died) is gone either way
+            dist.destroy_process_group()
 
     # -- workers -----------------------------------------------------------------------
 
@@ -163,7 +162,18 @@ def _on_host(batch: Batch) -> Batch:
     return Batch(**fields)
 
 
+def spawn_workers(specs: list[WorkerSpec]) -> list[mp.Process]:
+    """Start ranks 1..T-1; they load their shards while rank 0 loads its own."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run_worker, args=(s,), name=f"engine-tp{s.tp_rank}",
+                         daemon=True) for s in specs]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def new_store() -> dist.TCPStore:
+    """Rank 0's rendezvous (workers report ready or their error here, then form the group)."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=60))
 
@@ -198,6 +208,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """Entry point of a tensor-parallel worker rank: build the shard, then obey rank 0."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s "
                         f"tp{spec.tp_rank} %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     from pdserve.engine.engine import DTYPES
     from pdserve.platforms import get_platform
 
@@ -229,6 +240,7 @@ def run_worker(spec: WorkerSpec) -> None:
     finally:
         if kv is not None:
             kv.close()
+    dist.destroy_process_group()
 
 
 def _serve(group: TPGroup, model: LlamaModel, cache: KVCache, kv: Any) -> None:

@@ -78,7 +78,7 @@ class LLMEngine:
                                                        num_blocks, store.port))
         model = load_model(config, folder, local, self.dtype, self.device)
         if tp > 1:
-            self.tp_group = TPGroup.join(workers, store, self.platform)
+            self.tp_group = TPGroup.join(workers, store, self.platform, self.device)
         self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(config, self.allocator)

@@ -77,7 +77,9 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, store: dist.Store, backend: str,
                  device: torch.device) -> None:
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size = rank, size
+        if device.type != "cpu":  # collectives run on the current device
+            getattr(torch, device.type).set_device(device)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=size, timeout=IDLE_TIMEOUT)
         # Commands are pickled Python objects: they travel on a CPU group even on GPUs.
@@ -89,11 +91,11 @@ class TPGroup:
 
     @classmethod
     def join(cls, procs: list[mp.Process], store: dist.TCPStore, platform: Platform,
-             timeout: float = 300) -> TPGroup:
+             device: torch.device, timeout: float = 300) -> TPGroup:
         """Rank 0: wait until every worker (spawn_workers) has built its shard, then form
         the group with them."""
         infos = _await_workers(store, procs, timeout)
-        group = cls(0, len(procs) + 1, store, platform.dist_backend(), platform.device())
+        group = cls(0, len(procs) + 1, store, platform.dist_backend(), device)
         group.procs, group.worker_infos = procs, infos
         atexit.register(group.stop)
         return group
@@ -116,16 +118,14 @@ class TPGroup:
         if not self.procs:
             return
         procs, self.procs = self.procs, []
-        try:
+        with suppress(RuntimeError):  # a worker is gone, the group broken: stop by force
             if all(p.is_alive() for p in procs):
                 self.send(("stop",))
-        except RuntimeError:  # a worker is gone: the group is broken; stop them by force
-            pass
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        with suppress(RuntimeError):  # a broken group (a worker died) is gone either way
+        with suppress(RuntimeError):
             dist.destroy_process_group()
 
     # -- workers -----------------------------------------------------------------------

@@ -33,13 +33,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be NHD or HND, got {self.kv_layout!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

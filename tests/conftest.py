@@ -18,7 +18,7 @@ from tests.reliability import (  # noqa: F401  (the reliability report plugin)
     pytest_sessionfinish,
     reliability_row,
 )
-from tests.utils import Reference, hf_greedy
+from tests.utils import Reference, hf_greedy, write_tiny_llama
 
 # Nothing above imports transformers; it (and every server the tests start) must find no hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +29,12 @@ ENGINE_KV_BLOCKS = 512  # 8192 tokens: every test's concurrent batch fits withou
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     return resolve(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_folder: Path, tmp_path_factory) -> Path:
+    """A random 8-head / 4-KV-head Llama (tensor parallelism splits it; SmolLM2 it cannot)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), model_folder)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ completion, and compare greedy output with HF transformers' up to near-ties."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import torch
@@ -172,6 +175,50 @@ def collect(gens: dict[str, Generation], outputs: list[RequestOutput]) -> None:
 def assert_idle(engine: LLMEngine) -> None:
     assert not engine.has_work() and not engine.requests
     assert engine.allocator.num_free == engine.allocator.num_blocks, "KV blocks leaked"
+
+
+# -- a small random Llama that tensor parallelism can split --------------------------------
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def write_tiny_llama(out: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
+    """Random float32 weights for TINY_LLAMA with the embedded model's tokenizer, as an HF
+    folder (config.json + model.safetensors) the server loads like real weights. Unit-scale
+    embeddings and lm_head make logits peaked (at HF's 0.02 scale nearly every step would be
+    a near-tie); untied, so the next token depends on more than the last one."""
+    from safetensors.torch import save_file
+
+    tok = json.loads((tokenizer_folder / "config.json").read_text())
+    c = {**TINY_LLAMA, "vocab_size": tok["vocab_size"]}
+    g = torch.Generator().manual_seed(seed)
+    h, i = c["hidden_size"], c["intermediate_size"]
+    hd = h // c["num_attention_heads"]
+    shapes = {"q_proj": (c["num_attention_heads"] * hd, h), "o_proj": (h, h),
+              "k_proj": (c["num_key_value_heads"] * hd, h),
+              "v_proj": (c["num_key_value_heads"] * hd, h),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    w = {"model.embed_tokens.weight": torch.randn(c["vocab_size"], h, generator=g),
+         "lm_head.weight": torch.randn(c["vocab_size"], h, generator=g),
+         "model.norm.weight": torch.ones(h)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        for name, shape in shapes.items():
+            kind = "self_attn" if name[0] in "qkvo" else "mlp"
+            w[f"{p}{kind}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(w, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_folder / f).exists():
+            shutil.copy(tokenizer_folder / f, out / f)
+    return out
 
 
 # -- HF transformers reference --------------------------------------------------------------

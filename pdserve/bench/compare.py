@@ -3,6 +3,11 @@ per-layout tuning), run the same `bench serve` workload against each, and write 
 markdown table and PNG plots (TTFT and ITL CDFs, latency vs request rate).
 
     pdserve bench compare --scenario benchmarks/seed000-2core.json --out results/compare
+
+The tp2 layout (`serve --tensor-parallel-size 2`) needs a model whose attention and KV heads
+divide by 2; the embedded SmolLM2 (9 heads, 3 KV heads) does not, so with tp2 pass
+--model (or "model" in the scenario): an HF folder or GGUF of, e.g., a Llama/Qwen2 with
+even head counts. Every layout then serves that model.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from pdserve.bench import serve
 from pdserve.bench.launch import free_port, launched, up_layout
 
-LAYOUTS = ("tp1", "dp2", "1p1d", "1p1d-cond")
+LAYOUTS = ("tp1", "tp2", "dp2", "1p1d", "1p1d-cond")
 # `pdserve up` layouts and their flags: 1p1d-cond prefills short prompts, and every prompt
 # while the prefill already queues one, on the decode (conditional disaggregation).
 UP_LAYOUTS = {"1p1d": [],
@@ -31,28 +36,43 @@ class Scenario:
     num_prompts: int = 40
     rates: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
     primary_rate: float = 1.0  # the rate the table and CDFs are drawn at
-    layouts: list[str] = field(default_factory=lambda: list(LAYOUTS))
+    layouts: list[str] = field(default_factory=lambda: ["tp1", "dp2", "1p1d"])  # tp2: opt in
     dtype: str = "auto"
+    model: str | None = None  # None: the embedded SmolLM2 (which tp2 cannot split)
 
     @classmethod
     def load(cls, path: str | None) -> Scenario:
         return cls(**json.loads(Path(path).read_text())) if path else cls()
 
 
-def start(layout: str, dtype: str) -> tuple[AbstractContextManager, str]:
+def start(layout: str, sc: Scenario) -> tuple[AbstractContextManager, str]:
     """The layout as `pdserve serve` / `pdserve up` start it by default; its URL."""
+    common = ["--dtype", sc.dtype, *(["--model", sc.model] if sc.model else [])]
     if layout in UP_LAYOUTS:
-        argv, proxy, prefill, decode = up_layout(["--dtype", dtype, *UP_LAYOUTS[layout]])
+        argv, proxy, prefill, decode = up_layout([*common, *UP_LAYOUTS[layout]])
         return launched(argv, [prefill, decode, proxy]), proxy
     port = free_port()
-    dp = {"tp1": "1", "dp2": "2"}[layout]
+    dp, tp = {"tp1": ("1", "1"), "tp2": ("1", "2"), "dp2": ("2", "1")}[layout]
     url = f"http://127.0.0.1:{port}"
-    return launched(["serve", "--port", str(port), "--dtype", dtype,
-                     "--data-parallel-size", dp], [url]), url
+    return launched(["serve", "--port", str(port), *common, "--data-parallel-size", dp,
+                     "--tensor-parallel-size", tp], [url]), url
+
+
+def check_tp2(model: str | None) -> str | None:
+    """Why tp2 cannot serve `model`, or None."""
+    from pdserve.model import loader
+    from pdserve.model.llama import ModelConfig
+
+    try:
+        ModelConfig.from_hf(loader.load_config(loader.resolve(model))).shard(2)
+    except (ValueError, KeyError, loader.ModelLoadError) as e:
+        return (f"layout tp2: {e}. Pass --model with a model whose heads and KV heads "
+                "divide by 2, or leave tp2 out of --layouts")
+    return None
 
 
 def run_layout(layout: str, sc: Scenario, out: Path) -> dict[float, dict]:
-    ctx, url = start(layout, sc.dtype)
+    ctx, url = start(layout, sc)
     results = {}
     with ctx:
         for rate in sc.rates:
@@ -94,6 +114,10 @@ def ratios(all_results: dict[str, dict[float, dict]], sc: Scenario) -> str:
         lines.append(f"At {top:g} req/s (the sweep's top): output throughput 1P1D / TP=1 = "
                      f"{pd[top]['output_throughput'] / mono[top]['output_throughput']:.2f} "
                      "(goal >= 1).")
+    if (t := all_results.get("tp2", {}).get(rate)) is not None:
+        lines.append(f"At {rate:g} req/s: TP=2 median TPOT is "
+                     f"{t['median_tpot_ms'] / m['median_tpot_ms']:.2f}x TP=1's; 1P1D p99 ITL "
+                     f"is {t['p99_itl_ms'] / p['p99_itl_ms']:.1f}x lower than TP=2's.")
     return "\n".join(lines) + "\n"
 
 
@@ -144,12 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default=None, help="JSON file (see benchmarks/)")
     p.add_argument("--out", default="results/compare")
     p.add_argument("--layouts", default=None, help=f"comma list of {', '.join(LAYOUTS)}")
+    p.add_argument("--model", default=None, help="served by every layout (tp2 needs heads "
+                   "and KV heads that divide by 2; the embedded SmolLM2's do not)")
     args = p.parse_args(argv)
     sc = Scenario.load(args.scenario)
     if args.layouts:
         sc.layouts = args.layouts.split(",")
+    sc.model = args.model or sc.model
     if unknown := set(sc.layouts) - set(LAYOUTS):
         p.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if "tp2" in sc.layouts and (why := check_tp2(sc.model)):
+        p.error(why)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {layout: run_layout(layout, sc, out) for layout in sc.layouts}

@@ -104,6 +104,7 @@ class AsyncEngine(StreamingClient):
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.engine.close()
 
 
 _BUSY = ("pdserve_num_requests_running", "pdserve_num_requests_waiting",

@@ -57,7 +57,7 @@ class DPEngine(StreamingClient):
         self._push: list[zmq.Socket] = []
         self._send_lock = threading.Lock()
         self.outstanding = [0] * size
-        self.info: list[dict] = [{}] * size
+        self.info: list[list[dict]] = [[]] * size  # per DP rank: its TP ranks' info
         self.summaries = [""] * size
         self._owner: dict[str, int] = {}
         self.dead: set[int] = set()
@@ -74,8 +74,10 @@ class DPEngine(StreamingClient):
         push = self._ctx.socket(zmq.PUSH)
         push.bind(spec.inbox)
         self._push.append(push)
-        proc = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
-                                                name=f"engine-dp{spec.rank}", daemon=True)
+        # A daemonic process may not start children: tensor-parallel workers need one that is not.
+        proc = mp.get_context("spawn").Process(
+            target=run_rank, args=(spec,), name=f"engine-dp{spec.rank}",
+            daemon=spec.config.tensor_parallel_size == 1)
         proc.start()
         return proc
 
@@ -147,7 +149,7 @@ class DPEngine(StreamingClient):
         return "; ".join(self.summaries)
 
     def kv_info(self) -> list[dict]:
-        return list(self.info)
+        return [rank for ranks in self.info for rank in ranks]
 
     def shutdown(self) -> None:
         for rank, proc in enumerate(self._procs):
@@ -238,14 +240,15 @@ def run_rank(spec: RankSpec) -> None:
         kv = dataclasses.replace(kv, engine_id=engine_id)
     host, base_port = spec.side_channel
     try:
-        engine = LLMEngine(spec.config, kv, registry, engine_id, (host, base_port + spec.rank),
-                           dp_rank=spec.rank)
+        tp = spec.config.tensor_parallel_size
+        engine = LLMEngine(spec.config, kv, registry, engine_id,
+                           (host, base_port + spec.rank * tp), dp_rank=spec.rank)
     except (ConfigError, ModelLoadError) as e:
         send(("error", spec.rank, str(e)))
         return
-    info = {"engine_id": engine_id, "dp_rank": spec.rank, "tp_rank": 0}
+    info = [{"engine_id": engine_id, "dp_rank": spec.rank, "tp_rank": 0}]
     if engine.connector is not None:
-        info = engine.connector.info()[0]
+        info = engine.connector.info()
     loop = EngineLoop(engine, lambda outs: send(("out", outs)))
     send(("ready", spec.rank, info, engine.describe()))
     inbox = ctx.socket(zmq.PULL)
@@ -264,5 +267,6 @@ def run_rank(spec: RankSpec) -> None:
             loop.shutdown()
             if engine.connector is not None:
                 engine.connector.close()
+            engine.close()
             return
 

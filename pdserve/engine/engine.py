@@ -5,6 +5,7 @@ Single-threaded by design: only the step-loop thread calls into it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -18,9 +19,17 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.tensor_parallel import (
+    TPGroup,
+    TPModel,
+    WorkerSpec,
+    load_model,
+    new_store,
+    spawn_workers,
+)
 from pdserve.model import loader
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import LlamaModel, ModelConfig
+from pdserve.model.llama import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.platforms import get_platform
 
@@ -34,6 +43,9 @@ class LLMEngine:
                  registry: CollectorRegistry | None = None, engine_id: str = "",
                  side_channel: tuple[str, int] = ("127.0.0.1", 5600), dp_rank: int = 0) -> None:
         config.validate()
+        if config.tensor_parallel_size > 1 and config.num_threads is None:  # ranks share cores
+            config.num_threads = max(1, len(os.sched_getaffinity(0))
+                                     // config.tensor_parallel_size)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -42,7 +54,9 @@ class LLMEngine:
             self.platform = get_platform(config.device)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.device = self.platform.device()
+        tp = config.tensor_parallel_size
+        self.device = self.platform.rank_device(dp_rank * tp) if tp > 1 else \
+            self.platform.device()
         folder = loader.resolve(config.model)
         try:
             self.model_config = ModelConfig.from_hf(loader.load_config(folder))
@@ -50,19 +64,26 @@ class LLMEngine:
             raise loader.ModelLoadError(f"{folder / 'config.json'}: {e}") from None
         self.tokenizer = Tokenizer.from_folder(folder, list(self.model_config.eos_token_ids))
         self.dtype = DTYPES[config.dtype]
-        max_len = max(config.max_model_len, 1)
         try:
-            model = LlamaModel(self.model_config, loader.load_state_dict(folder), self.dtype,
-                               self.device, max_len)
+            local = self.model_config.shard(tp)
         except ValueError as e:
-            raise loader.ModelLoadError(f"{folder}: {e}") from None
-        shape = self.model_config.kv_shape(config.block_size, config.kv_layout)
+            raise ConfigError(f"{config.model or loader.EMBEDDED_NAME}: {e}") from None
+        shape = local.kv_shape(config.block_size, config.kv_layout)
         num_blocks = config.num_kv_blocks or int(
             config.kv_cache_memory_gib * 2**30 // shape.block_bytes(self.dtype))
+        self.tp_group = None
+        if tp > 1:
+            store = new_store()
+            workers = spawn_workers(self._worker_specs(kv_config, engine_id, side_channel,
+                                                       num_blocks, store.port))
+        model = load_model(config, folder, local, self.dtype, self.device)
+        if tp > 1:
+            self.tp_group = TPGroup.join(workers, store, self.platform, self.device)
         self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
-        self.runner = ModelRunner(model, self.cache, Sampler(config.seed))
+        self.runner = ModelRunner(TPModel(model, self.tp_group) if self.tp_group else model,
+                                  self.cache, Sampler(config.seed))
         self.engine_id = engine_id or (kv_config.engine_id if kv_config else "local")
         self.metrics = EngineMetrics(registry or CollectorRegistry(), self.engine_id)
         self.metrics.blocks_total.set(num_blocks)
@@ -75,9 +96,25 @@ class LLMEngine:
             self.connector = make_connector(kv_config, self, registry, side_channel)
         self._update_gauges()
 
+    def _worker_specs(self, kv: KVTransferConfig | None, engine_id: str,
+                      side_channel: tuple[str, int], num_blocks: int, store_port: int
+                      ) -> list[WorkerSpec]:
+        c, (host, port) = self.config, side_channel
+        engine_id = engine_id or (kv.engine_id if kv else "local")
+        return [WorkerSpec(r, c.tensor_parallel_size, c, kv, engine_id, self.dp_rank,
+                           (host, port + r), num_blocks,
+                           self.dp_rank * c.tensor_parallel_size + r, store_port)
+                for r in range(1, c.tensor_parallel_size)]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (the step loop must be stopped first)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
+
     def describe(self) -> str:
-        return (f"{self.engine_id} on {self.device}: {self.allocator.num_blocks} KV blocks of "
-                f"{self.config.block_size} tokens")
+        tp = self.config.tensor_parallel_size
+        return (f"{self.engine_id} on {self.device}{f' x TP{tp}' if tp > 1 else ''}: "
+                f"{self.allocator.num_blocks} KV blocks of {self.config.block_size} tokens")
 
     # -- requests -----------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
-        seed=args.seed)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     cfg.validate()
     return cfg
 
@@ -88,6 +88,9 @@ def add_parser(sub) -> None:
                    default=int(os.environ.get("PDSERVE_KV_SIDE_CHANNEL_PORT", "5600")))
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine ranks behind this server, each its own process")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes sharding each engine's layers (heads, MLP); the model's "
+                   "heads and KV heads must divide by it")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this Bearer key on /v1/* (env PDSERVE_API_KEY)")
     p.set_defaults(run=run)
@@ -156,7 +159,8 @@ def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     mcfg = ModelConfig.from_hf(loader.load_config(folder))
     tokenizer = Tokenizer.from_folder(folder, list(mcfg.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores
-        cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size)
+        cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size
+                              // cfg.tensor_parallel_size)
     side = (args.kv_side_channel_host, args.kv_side_channel_port)
     dp = DPEngine(cfg, kv, args.data_parallel_size, side)
     validate = None

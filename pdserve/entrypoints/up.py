@@ -42,6 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--prefill-dp", type=int, default=1, help="engine ranks per prefill")
     p.add_argument("--decode-dp", type=int, default=1, help="engine ranks per decode")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="tensor-parallel ranks per prefill engine (needs --kv-layout HND "
+                   "when it differs from --decode-tp)")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode "
+                   "engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port")
     p.add_argument("--base-port", type=int, default=8100, help="first instance's HTTP port")
@@ -57,36 +62,37 @@ def add_parser(sub) -> None:
 def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
     """Lay out ports and cores: decode ranks get cores of their own (one thread each, from
     the top), prefills all cores at a lower priority, so a decode step never waits for a
-    prefill. Each instance takes dp consecutive side-channel ports (one per rank)."""
+    prefill. Each instance takes dp * tp consecutive side-channel ports (one per rank)."""
     cpus = sorted(os.sched_getaffinity(0))
     out: list[Instance] = []
     port, side, next_core = args.base_port, args.side_channel_base_port, 0
     # OMP threads that spin while idle would steal the decode's core.
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
-    for role, count, dp in (("prefill", args.prefill, args.prefill_dp),
-                            ("decode", args.decode, args.decode_dp)):
+    for role, count, dp, tp in (("prefill", args.prefill, args.prefill_dp, args.prefill_tp),
+                                ("decode", args.decode, args.decode_dp, args.decode_tp)):
         for i in range(count):
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                   "engine_id": f"{role}{i}"}
             argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
                     "--host", args.host, "--port", str(port),
                     "--kv-transfer-config", json.dumps(kv), "--data-parallel-size", str(dp),
+                    "--tensor-parallel-size", str(tp),
                     "--kv-side-channel-host", args.host,
                     "--kv-side-channel-port", str(side), *engine_argv]
             url = f"http://{args.host}:{port}"
             if role == "decode":
-                cores = {cpus[-1 - (next_core + r) % len(cpus)] for r in range(dp)}
-                next_core += dp
+                cores = {cpus[-1 - (next_core + r) % len(cpus)] for r in range(dp * tp)}
+                next_core += dp * tp
                 inst = Instance(f"{role}{i}", [*argv, "--num-threads", "1"], url, env, cores)
             else:
-                threads = max(1, len(cpus) // dp)
+                threads = max(1, len(cpus) // (dp * tp))
                 inst = Instance(f"{role}{i}", [*argv, "--num-threads", str(threads)], url, env,
                                 None, nice=10 if len(cpus) > 1 else 0)
             if args.api_key:
                 inst.argv += ["--api-key", args.api_key]
             out.append(inst)
             port += 1
-            side += dp
+            side += dp * tp
     prefills = [i.url for i in out if i.name.startswith("prefill")]
     decodes = [i.url for i in out if i.name.startswith("decode")]
     proxy = [sys.executable, "-m", "pdserve.entrypoints.cli", "proxy", "--host", args.host,
@@ -111,9 +117,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.prefill, args.decode, args.prefill_dp, args.decode_dp) < 1:
-        print("pdserve: error: --prefill, --decode and their -dp sizes must be at least 1",
-              file=sys.stderr)
+    if min(args.prefill, args.decode, args.prefill_dp, args.decode_dp, args.prefill_tp,
+           args.decode_tp) < 1:
+        print("pdserve: error: --prefill, --decode and their -dp and -tp sizes must be at "
+              "least 1", file=sys.stderr)
         return 2
     if problem := check_routing_args(args):
         print(f"pdserve: error: {problem}", file=sys.stderr)

@@ -70,5 +70,9 @@ class Transport(ABC):
     def info(self) -> dict[str, Any]:
         """What a decode needs to reach this rank: engine_id, host, port."""
 
+    def ranks(self) -> list[dict[str, Any]]:
+        """info() of every TP rank of this engine (each has its own agent and port)."""
+        return [self.info()]
+
     @abstractmethod
     def close(self) -> None: ...

@@ -138,7 +138,8 @@ class PDConnector:
         return outputs
 
     def info(self) -> list[dict[str, Any]]:
-        return [{**self.transport.info(), "dp_rank": self.engine.dp_rank, "tp_rank": 0}]
+        return [{"tp_rank": 0, **r, "dp_rank": self.engine.dp_rank}
+                for r in self.transport.ranks()]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -155,7 +156,8 @@ class PDConnector:
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": info["engine_id"], "remote_block_ids": list(req.block_ids),
             "remote_request_id": req.request_id, "remote_host": info["side_channel_host"],
-            "remote_port": info["side_channel_port"], "tp_size": 1,
+            "remote_port": info["side_channel_port"],
+            "tp_size": self.engine.config.tensor_parallel_size,
             "first_token_id": req.output_token_ids[0],
             "first_token_logprob": req.output_logprobs[0],
         }

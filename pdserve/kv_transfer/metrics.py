@@ -29,5 +29,8 @@ class TransferMetrics:
                                       "Held prefill blocks freed because no decode came")
         self.blocks_held = labelled(Gauge, "pdserve_kv_blocks_held_for_remote",
                                     "Blocks a prefill holds for decodes to read")
+        self.reader_notifications = labelled(
+            Gauge, "pdserve_kv_reader_notifications",
+            "Read-done notifications received from decode ranks (one per reader per request)")
         self.recomputed = labelled(Counter, "pdserve_kv_transfer_recomputed",
                                    "Requests whose prompt was recomputed instead of pulled")

@@ -223,12 +223,18 @@ class NixlAgent:
             if notif:
                 self.notify(remote_agent, notif)
             return Xfer(None, 0, 0, state="DONE")
+        return self.read_descs(block_descs(local, lstart, lens), block_descs(remote, rstart, lens),
+                               local.mem_type, remote.mem_type, remote_agent, notif)
+
+    def read_descs(self, local: np.ndarray, remote: np.ndarray, local_mem: str,
+                   remote_mem: str, remote_agent: str, notif: bytes = b"") -> Xfer:
+        """Start one READ of raw (N, 3) [addr, len, devid] descriptor arrays, pairwise."""
         with self._guard(f"start READ from {remote_agent}"):
-            ldl = self._agent.get_xfer_descs(block_descs(local, lstart, lens), local.mem_type)
-            rdl = self._agent.get_xfer_descs(block_descs(remote, rstart, lens), remote.mem_type)
+            ldl = self._agent.get_xfer_descs(local, local_mem)
+            rdl = self._agent.get_xfer_descs(remote, remote_mem)
             handle = self._agent.initialize_xfer("READ", ldl, rdl, remote_agent, notif)
             state = self._agent.transfer(handle)
-        xfer = Xfer(handle, int(lens.size), int(lens.sum()) * local.block_bytes)
+        xfer = Xfer(handle, len(local), int(local[:, 1].sum()))
         if state == "ERR":
             self._release(xfer)
             raise TransferError(f"NIXL refused to post a READ from {remote_agent}")

@@ -1,10 +1,12 @@
-"""The NIXL transport: registers the KV cache with a NIXL agent (UCX), answers handshakes
-on the side channel, and pulls remote blocks with one-sided READs."""
+"""The NIXL transport of one engine rank: registers its KV cache (its TP shard) with a NIXL
+agent (UCX), answers handshakes on the side channel, and pulls remote blocks with
+one-sided READs from the prefill ranks holding the heads it needs (tp_plan)."""
 
 from __future__ import annotations
 
 import hashlib
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +15,16 @@ from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.base import DONE, IncompatibleKV, Peer, Transport, XferState
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Region, TransferError, Xfer
 from pdserve.kv_transfer.side_channel import SideChannelServer, handshake
+from pdserve.kv_transfer.tp_plan import (
+    BlockGeometry,
+    ReaderCount,
+    Slice,
+    check_split,
+    num_readers,
+    plan,
+    slice_descs,
+    tag,
+)
 
 PROTOCOL_VERSION = 1
 # What both sides' blocks must agree on for a byte-for-byte read.
@@ -20,14 +32,27 @@ _COMPAT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "layout"
                 "block_bytes")
 
 
+@dataclass(slots=True)
+class Source:
+    """A prefill rank this rank reads from, and which of its heads."""
+    slice: Slice
+    agent: str
+    region: Region
+
+
 class NixlTransport(Transport):
     def __init__(self, engine_id: str, buffer: torch.Tensor, layout: dict[str, Any],
                  host: str, port: int, handshake_timeout: float,
                  secret: str | None = None, serve: bool = True) -> None:
         self.engine_id = engine_id
-        self.layout = {**layout, "protocol": PROTOCOL_VERSION}
+        self.layout = {"tp_rank": 0, "tp_size": 1, **layout, "protocol": PROTOCOL_VERSION}
+        self.tp_rank, self.tp_size = self.layout["tp_rank"], self.layout["tp_size"]
         self.region = Region.from_tensor(buffer, buffer.shape[0])
-        self.agent = NixlAgent(f"{engine_id}-{id(self):x}", gpu=self.region.mem_type == "VRAM")
+        self.geometry = BlockGeometry(layout["num_layers"], layout["block_size"],
+                                      layout["head_dim"], buffer.element_size())
+        self.readers = ReaderCount()
+        self.agent = NixlAgent(f"{engine_id}-tp{self.tp_rank}-{id(self):x}",
+                               gpu=self.region.mem_type == "VRAM")
         self.agent.register(self.region)
         self.host, self.port = host, port
         self.handshake_timeout, self.secret = handshake_timeout, secret
@@ -36,8 +61,8 @@ class NixlTransport(Transport):
                                         secret) if serve else None
 
     def info(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "side_channel_host": self.host,
-                "side_channel_port": self.port}
+        return {"engine_id": self.engine_id, "tp_rank": self.tp_rank,
+                "side_channel_host": self.host, "side_channel_port": self.port}
 
     def _answer(self) -> dict[str, Any]:
         r = self.region
@@ -47,26 +72,79 @@ class NixlTransport(Transport):
                 "compat_hash": compat_hash(self.layout)}
 
     def connect(self, host: str, port: int) -> Peer:
-        info = handshake(host, port, self.handshake_timeout, self.secret)
-        check_compatible(self.layout, info.get("layout", {}))
-        agent = self.agent.add_remote(info["agent_metadata"])
-        return Peer(host, port, info["engine_id"], agent, info["num_blocks"], {
-            "region": Region(info["base"], info["num_blocks"], info["block_bytes"],
-                             info["mem_type"], info["device"])})
+        """Handshake with a prefill's TP rank 0 at `port`, then with the other ranks (at
+        port + their rank) whose heads this rank needs."""
+        first = handshake(host, port, self.handshake_timeout, self.secret)
+        remote_tp = first.get("layout", {}).get("tp_size", 1)
+        return self.connect_ranks(host, port, remote_tp if isinstance(remote_tp, int) else 0,
+                                  first)
+
+    def connect_ranks(self, host: str, port: int, remote_tp: int,
+                      first: dict[str, Any] | None = None) -> Peer:
+        heads = self.layout["num_kv_heads"] * self.tp_size
+        check_split(heads, remote_tp, self.tp_size, self.layout["layout"])
+        sources: list[Source] = []
+        infos = []
+        try:
+            for s in plan(heads, remote_tp, self.tp_size, self.tp_rank):
+                info = first if s.src == 0 and first is not None else handshake(
+                    host, port + s.src, self.handshake_timeout, self.secret)
+                self._check_rank(info.get("layout", {}), s.src, remote_tp, host, port)
+                infos.append(info)
+                sources.append(Source(s, self.agent.add_remote(info["agent_metadata"]), Region(
+                    info["base"], info["num_blocks"], info["block_bytes"], info["mem_type"],
+                    info["device"])))
+        except Exception:
+            for src in sources:
+                self.agent.remove_remote(src.agent)
+            raise
+        return Peer(host, port, infos[0]["engine_id"], sources[0].agent, infos[0]["num_blocks"],
+                    {"sources": sources, "remote_tp": remote_tp,
+                     "readers": num_readers(heads, remote_tp, self.tp_size)})
+
+    def _check_rank(self, remote: dict[str, Any], rank: int, tp: int, host: str,
+                    port: int) -> None:
+        check_compatible(self.layout, remote)
+        if (remote.get("tp_rank", 0), remote.get("tp_size", 1)) != (rank, tp):
+            raise IncompatibleKV(f"{host}:{port + rank} is TP rank {remote.get('tp_rank', 0)}"
+                                 f" of {remote.get('tp_size', 1)}, expected rank {rank} of "
+                                 f"{tp} (side-channel port = base + dp_rank * TP + tp_rank)")
 
     def forget(self, peer: Peer) -> None:
-        self.agent.remove_remote(peer.agent)
+        for src in peer.info["sources"]:
+            self.agent.remove_remote(src.agent)
 
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes) -> Xfer:
-        return self.agent.read(self.region, peer.info["region"], local_ids, remote_ids,
-                               peer.agent, notif)
+             notif: bytes) -> list[Xfer]:
+        notif = tag(notif, peer.info["readers"])
+        return [self._read_source(src, peer.info["remote_tp"], local_ids, remote_ids, notif)
+                for src in peer.info["sources"]]
 
-    def poll(self, handle: Xfer) -> XferState:
-        return self.agent.poll(handle)
+    def _read_source(self, src: Source, remote_tp: int, local_ids: list[int],
+                     remote_ids: list[int], notif: bytes) -> Xfer:
+        local_heads = self.layout["num_kv_heads"]
+        remote_heads = local_heads * self.tp_size // remote_tp
+        if src.slice.num_heads == local_heads == remote_heads:  # same split: whole blocks
+            return self.agent.read(self.region, src.region, local_ids, remote_ids, src.agent,
+                                   notif)
+        for region, ids, side in ((self.region, local_ids, "local"),
+                                  (src.region, remote_ids, "remote")):
+            if ids and not (min(ids) >= 0 and max(ids) < region.num_blocks):
+                raise ValueError(f"{side} block id out of range 0..{region.num_blocks - 1}")
+        if not local_ids:
+            self.agent.notify(src.agent, notif)
+            return Xfer(None, 0, 0, state="DONE")
+        ldescs, rdescs = slice_descs(self.region, src.region, local_ids, remote_ids, src.slice,
+                                     self.geometry, local_heads, remote_heads)
+        return self.agent.read_descs(ldescs, rdescs, self.region.mem_type,
+                                     src.region.mem_type, src.agent, notif)
 
-    def handle_stats(self, handle: Xfer) -> tuple[int, int]:
-        return handle.nbytes, handle.descs
+    def poll(self, handle: list[Xfer]) -> XferState:
+        states = {self.agent.poll(x) for x in handle}
+        return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
+
+    def handle_stats(self, handle: list[Xfer]) -> tuple[int, int]:
+        return sum(x.nbytes for x in handle), sum(x.descs for x in handle)
 
     def notify(self, peer: Peer, msg: bytes) -> None:
         with suppress(TransferError):  # the peer is gone; its lease no longer matters
@@ -79,6 +157,11 @@ class NixlTransport(Transport):
         self._released.append(DONE + request_id.encode())
 
     def notifications(self) -> list[bytes]:
+        return self.readers.feed(self.raw_notifications())
+
+    def raw_notifications(self) -> list[bytes]:
+        """Messages as they came, readers' tags and all (a TP rank 0 counts its workers'
+        together with its own)."""
         released, self._released = self._released, []
         return released + [msg for _, msg in self.agent.notifications()]
 
@@ -93,8 +176,18 @@ def compat_hash(layout: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _whole(layout: dict[str, Any]) -> dict[str, Any]:
+    """A rank's layout as the whole instance's: TP ranks differ only in their head shares."""
+    tp = layout.get("tp_size", 1)
+    if not isinstance(tp, int) or tp == 1:
+        return layout
+    return {**layout, "num_kv_heads": layout.get("num_kv_heads", 0) * tp,
+            "block_bytes": layout.get("block_bytes", 0) * tp}
+
+
 def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> None:
     """Refuse a peer whose blocks differ from ours, naming every difference."""
+    local, remote = _whole(local), _whole(remote)
     if compat_hash(local) == compat_hash(remote):
         return
     diffs = [f"{k}: prefill {remote.get(k)!r}, decode {local.get(k)!r}"

@@ -6,7 +6,9 @@ each multi-token chunk (a prefill) as its own call."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +60,23 @@ class ModelConfig:
                                 else []),
         )
 
+    def shard(self, tp_size: int) -> ModelConfig:
+        """This config as one of `tp_size` tensor-parallel ranks sees it: a slice of the
+        attention heads, KV heads and MLP width each."""
+        if tp_size == 1:
+            return self
+        sizes = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
+                 "MLP width (intermediate_size)": self.intermediate_size}
+        if bad := [f"{v} {k}" for k, v in sizes.items() if v % tp_size]:
+            fits = [t for t in range(1, self.num_kv_heads + 1)
+                    if all(v % t == 0 for v in sizes.values())]
+            raise ValueError(f"--tensor-parallel-size {tp_size} cannot split this model: its "
+                             f"{' and '.join(bad)} do not divide by {tp_size} (sizes that "
+                             f"work: {', '.join(map(str, fits))})")
+        return dataclasses.replace(
+            self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
+            intermediate_size=self.intermediate_size // tp_size)
+
     def kv_shape(self, block_size: int, layout: str) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, block_size, layout)
 
@@ -106,16 +125,31 @@ class Layer:
 
 
 class LlamaModel:
+    """`config` is this rank's (ModelConfig.shard); under tensor parallelism q/k/v and
+    gate/up are split by output rows (heads), o and down by input columns, and `all_reduce`
+    sums the partial o/down outputs across ranks. Embeddings and lm_head are replicated."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 max_len: int = 4096) -> None:
+                 max_len: int = 4096, tp_rank: int = 0,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.dtype = dtype
+        self.all_reduce = all_reduce or (lambda t: t)
+        sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
+                 config.head_dim, "v": config.num_kv_heads * config.head_dim,
+                 "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
+                 "up": config.intermediate_size, "down": config.intermediate_size}
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"weights are missing tensor {name!r}")
-            return weights[name].to(device=device, dtype=dtype)
+            t = weights[name]
+            part = name.split(".")[-2].removesuffix("_proj")
+            if part in sizes:  # this rank's rows (column-parallel) or columns (row-parallel)
+                n = sizes[part]
+                t = t.narrow(1 if part in ("o", "down") and t.dim() == 2 else 0, tp_rank * n, n)
+            return t.to(device=device, dtype=dtype).contiguous()
 
         p = "model.layers."
         # Fused projections: one GEMM for q/k/v and one for gate/up.
@@ -149,10 +183,10 @@ class LlamaModel:
             k = _rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
-            h = h + F.linear(self._attention(i, q, k, v, batch, cache), layer.o)
+            h = h + self.all_reduce(F.linear(self._attention(i, q, k, v, batch, cache), layer.o))
             x = _rms_norm(h, layer.ln2, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = h + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
         h = _rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 

@@ -20,6 +20,14 @@ class Platform(ABC):
     def device(self) -> torch.device:
         return torch.device(self.name)
 
+    def dist_backend(self) -> str:
+        """torch.distributed backend for tensor-parallel all-reduces on this device."""
+        return "gloo"
+
+    def rank_device(self, index: int) -> torch.device:
+        """The device of the `index`-th rank process on this host."""
+        return self.device()
+
     def check_buffer_device(self, buffer_device: str) -> None:
         if buffer_device not in self.buffer_devices:
             raise ValueError(f"kv_buffer_device {buffer_device!r} is not supported on "

@@ -11,6 +11,12 @@ class CudaPlatform(Platform):
     def available(self) -> bool:
         return torch.cuda.is_available()
 
+    def dist_backend(self) -> str:
+        return "nccl"
+
+    def rank_device(self, index: int) -> torch.device:
+        return torch.device("cuda", index % torch.cuda.device_count())
+
     def pins_host_memory(self) -> bool:
         return True
 

@@ -83,7 +83,7 @@ def test_metrics_request_id_and_retries(cluster):
     bad = httpx.post(plain + "/v1/completions", content=b"{nope", timeout=30)
     wrong = httpx.post(plain + "/v1/completions", json={"model": "gpt-9", "prompt": "x"},
                        timeout=30)
-    assert bad.status_code == wrong.status_code == 400 and bad.headers["x-request-id"]
+    assert (bad.status_code, wrong.status_code) == (400, 404) and bad.headers["x-request-id"]
 
     ok = metric(plain, "pdserve_proxy_requests_total", endpoint="/v1/completions",
                 outcome="ok")
@@ -95,11 +95,11 @@ def test_metrics_request_id_and_retries(cluster):
     log = cluster["plain"].log()
     assert retries == log.count(f"prefill backend {dead} unreachable") >= 1
     assert metric(plain, "pdserve_proxy_backend_request_seconds_count", backend=p0,
-                  role="prefill") == 3  # the two answers and the wrong model's 400
+                  role="prefill") == 3  # the two answers and the wrong model's 404
     assert metric(plain, "pdserve_proxy_backend_request_seconds_count", backend=d0,
                   role="decode") == 2
     assert metric(plain, "pdserve_proxy_backend_requests_total", backend=p0, role="prefill",
-                  code="400") == 1
+                  code="404") == 1
     assert _route(plain, "remote", "disaggregated") == 3
     assert metric(plain, "pdserve_proxy_backend_outstanding") == 0
 
@@ -144,14 +144,15 @@ def test_busy_prefill_tier_sends_new_requests_to_the_decode(cluster):
     want = _tokens(_complete(ref, mid))
     busy_before = _route(cond, "local", "prefill_busy")
     with ThreadPoolExecutor(2) as pool:
-        # The proxy's own count: its long prompt is still on the prefill.
-        long = pool.submit(_complete, cond, LONG, 2)
+        # The proxy's own count: its long prompt is still on the prefill. (Long prompts
+        # here are new to the prefix cache, or the prefill would skip their work.)
+        long = pool.submit(_complete, cond, "Busy: " + LONG, 2)
         _wait(lambda: metric(cond, "pdserve_proxy_backend_outstanding", role="prefill") == 1)
         assert _tokens(_complete(cond, mid)) == want
         assert long.result().status_code == 200
         assert _route(cond, "local", "prefill_busy") - busy_before == 1
         # The prefill's own queue (polled from its /metrics): clients the proxy never saw.
-        direct = [pool.submit(_complete, p0, LONG, 1) for _ in range(2)]
+        direct = [pool.submit(_complete, p0, f"Direct {i}: " + LONG, 1) for i in range(2)]
         _wait(lambda: metric(cond, "pdserve_proxy_backend_queue", role="prefill") >= 1)
         assert metric(cond, "pdserve_proxy_backend_outstanding", role="prefill") == 0
         assert _tokens(_complete(cond, mid)) == want

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pdserve.engine.request import SamplingParams
 
@@ -109,7 +109,7 @@ class ChatCompletionRequest(_Body):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _needs_logprobs(cls, v: int | None, info) -> int | None:
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
         return v

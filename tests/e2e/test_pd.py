@@ -211,7 +211,12 @@ def test_bad_kv_transfer_params_are_refused(setup):
             "do_remote_decode": True, "remote_engine_id": None, "remote_block_ids": None,
             "remote_host": None, "remote_port": None}}, timeout=30)
     assert r.status_code == 200 and r.json()["kv_transfer_params"]["do_remote_prefill"]
-    _assert_pools_whole(decode)
+    # A decode takes the handover, so the prefill lets go (no lease left for later tests).
+    r = httpx.post(decode + "/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2,
+        "kv_transfer_params": r.json()["kv_transfer_params"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    _assert_pools_whole(prefill, decode)
 
 
 def test_lease_expires_when_no_decode_comes(tmp_path):

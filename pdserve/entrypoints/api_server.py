@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,8 @@ from pdserve.entrypoints.protocol import (
 from pdserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.api")
+# It goes into log lines and response headers: printable ASCII only (as the proxy's rule).
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class HTTPError(Exception):
@@ -50,6 +53,8 @@ class ServerState:
     api_key: str | None = None
     admission: Admission = field(default_factory=Admission)
     request_timeout: float | None = None  # seconds; a request's own may be shorter
+    # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking).
+    release_remote: Callable[[dict[str, Any]], None] | None = None
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -136,6 +141,9 @@ def _engine_request(state: ServerState, body: _Body, ids: list[int], max_tokens:
             state.validate_kv_params(params, len(ids))
         except ValueError as e:
             raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
+    if (given := raw.headers.get("x-request-id")) is not None and \
+            not _REQUEST_ID.fullmatch(given):
+        raise HTTPError(400, "X-Request-Id must be 1 to 256 printable ASCII characters")
     # The engine's id keeps the client's X-Request-Id (so every log line about the request
     # names it) plus a suffix: one server may see the same id twice (prefill and decode).
     return EngineRequest(f"{request_id(raw)}-{uuid.uuid4().hex[:8]}", ids,
@@ -145,7 +153,8 @@ def _engine_request(state: ServerState, body: _Body, ids: list[int], max_tokens:
 def request_id(raw: Request) -> str:
     """The client's X-Request-Id, or one made up for this request (echoed in the answer)."""
     if not hasattr(raw.state, "request_id"):
-        raw.state.request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        given = raw.headers.get("x-request-id", "")
+        raw.state.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     return raw.state.request_id
 
 
@@ -154,13 +163,18 @@ async def _respond(state: ServerState, req: EngineRequest, body: _Body, raw: Req
     ticket = state.admission.admit()
     if not isinstance(ticket, Ticket):
         log.warning("request %s: refused with %d: %s", req.request_id, *ticket)
+        p = req.kv_transfer_params or {}
+        if p.get("do_remote_prefill") and state.release_remote is not None:
+            # Its engine never sees it, so nothing else would let the prefill go before
+            # the lease ends (under overload, when its blocks are needed most).
+            asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
         raise HTTPError(*ticket, "rate_limit_exceeded" if ticket[0] == 429 else
                         "service_unavailable")
     log.info("request %s: %d prompt tokens, max_tokens %d%s", req.request_id,
              req.num_prompt_tokens, req.params.max_tokens, _role(req))
     timeout = min(t for t in (state.request_timeout, body.request_timeout, float("inf"))
                   if t is not None)
-    outputs = _run(state, req, ticket, timeout)
+    outputs = _run(state, state.engine.generate(req), req, ticket, timeout)
     headers = {"X-Request-Id": request_id(raw)}
     if body.stream:  # Starlette cancels the stream when the client goes
         return StreamingResponse(_sse(fmt, outputs), media_type="text/event-stream",
@@ -186,16 +200,16 @@ def _role(req: EngineRequest) -> str:
         ", decode of a remote prefill" if p.get("do_remote_prefill") else ""
 
 
-async def _run(state: ServerState, req: EngineRequest, ticket: Ticket,
-               timeout: float) -> AsyncIterator[RequestOutput]:
-    """The request's outputs; an HTTPError if it fails, is aborted by a drain or runs past
-    `timeout` seconds (which aborts it and frees its KV)."""
-    outputs = state.engine.generate(req)
-    deadline = asyncio.get_running_loop().time() + timeout
+async def _run(state: ServerState, outputs: AsyncIterator[RequestOutput], req: EngineRequest,
+               ticket: Ticket, timeout: float) -> AsyncIterator[RequestOutput]:
+    """`outputs` of `req`, until they end; an HTTPError if it fails, is aborted by a drain or
+    runs past `timeout` seconds (which aborts it and frees its KV)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     n, how = 0, "aborted (client gone)"
     try:
         while True:
-            left = deadline - asyncio.get_running_loop().time()
+            left = deadline - loop.time()
             try:
                 out = await asyncio.wait_for(anext(outputs), None if timeout == float("inf")
                                              else max(left, 0))
@@ -215,10 +229,9 @@ async def _run(state: ServerState, req: EngineRequest, ticket: Ticket,
                 how = "aborted by the drain"
                 raise HTTPError(503, "the request was aborted: the server is shutting down "
                                      "(--drain-timeout passed)", "service_unavailable")
-            yield out
             if out.finished:
                 how = f"finished ({out.finish_reason})"
-                return
+            yield out
     finally:
         await outputs.aclose()
         ticket.release()

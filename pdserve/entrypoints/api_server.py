@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,8 @@ from pdserve.entrypoints.streams import merge_streams
 from pdserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.api")
+# It goes into log lines and response headers: printable ASCII only (as the proxy's rule).
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class HTTPError(Exception):
@@ -53,6 +56,8 @@ class ServerState:
     served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
     admission: Admission = field(default_factory=Admission)
     request_timeout: float | None = None  # seconds; a request's own may be shorter
+    # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking).
+    release_remote: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -154,6 +159,9 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
     if params and body.n > 1:  # a prefill answers one set of params per request
         raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
                              "requests (pdserve's proxy does)")
+    if (given := raw.headers.get("x-request-id")) is not None and \
+            not _REQUEST_ID.fullmatch(given):
+        raise HTTPError(400, "X-Request-Id must be 1 to 256 printable ASCII characters")
     # The engine's ids keep the client's X-Request-Id (so every log line about the request
     # names it) plus a suffix: one server may see the same id twice (prefill and decode,
     # or the choices of n).
@@ -165,7 +173,8 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
 def request_id(raw: Request) -> str:
     """The client's X-Request-Id, or one made up for this request (echoed in the answer)."""
     if not hasattr(raw.state, "request_id"):
-        raw.state.request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        given = raw.headers.get("x-request-id", "")
+        raw.state.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     return raw.state.request_id
 
 
@@ -174,6 +183,11 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
     ticket = state.admission.admit()
     if not isinstance(ticket, Ticket):
         log.warning("request %s: refused with %d: %s", reqs[0].request_id, *ticket)
+        p = reqs[0].kv_transfer_params or {}
+        if p.get("do_remote_prefill") and state.release_remote is not None:
+            # Its engine never sees it, so nothing else would let the prefill go before
+            # the lease ends (under overload, when its blocks are needed most).
+            asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
         raise HTTPError(*ticket, "rate_limit_exceeded" if ticket[0] == 429 else
                         "service_unavailable")
     for req in reqs:
@@ -181,7 +195,8 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
                  req.num_prompt_tokens, req.params.max_tokens, _role(req))
     timeout = min(t for t in (state.request_timeout, body.request_timeout, float("inf"))
                   if t is not None)
-    outputs = _released(merge_streams([_run(state, r, timeout) for r in reqs]), ticket)
+    streams = merge_streams([state.engine.generate(r) for r in reqs])
+    outputs = _released(_run(state, streams, reqs[0], timeout), ticket)
     headers = {"X-Request-Id": request_id(raw)}
     if body.stream:  # Starlette cancels the stream when the client goes
         return StreamingResponse(_sse(fmt, outputs), media_type="text/event-stream",
@@ -218,16 +233,16 @@ async def _released(outputs: AsyncIterator[RequestOutput],
         ticket.release()
 
 
-async def _run(state: ServerState, req: EngineRequest,
+async def _run(state: ServerState, outputs: AsyncIterator[RequestOutput], req: EngineRequest,
                timeout: float) -> AsyncIterator[RequestOutput]:
-    """The request's outputs; an HTTPError if it fails, is aborted by a drain or runs past
-    `timeout` seconds (which aborts it and frees its KV)."""
-    outputs = state.engine.generate(req)
-    deadline = asyncio.get_running_loop().time() + timeout
+    """`outputs` of `req` (all its choices), until they end; an HTTPError if it fails, is
+    aborted by a drain or runs past `timeout` seconds (which aborts it and frees its KV)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     n, how = 0, "aborted (client gone)"
     try:
         while True:
-            left = deadline - asyncio.get_running_loop().time()
+            left = deadline - loop.time()
             try:
                 out = await asyncio.wait_for(anext(outputs), None if timeout == float("inf")
                                              else max(left, 0))
@@ -247,10 +262,9 @@ async def _run(state: ServerState, req: EngineRequest,
                 how = "aborted by the drain"
                 raise HTTPError(503, "the request was aborted: the server is shutting down "
                                      "(--drain-timeout passed)", "service_unavailable")
-            yield out
             if out.finished:
                 how = f"finished ({out.finish_reason})"
-                return
+            yield out
     finally:
         await outputs.aclose()
         log.info("request %s: %s after %.2fs, %d tokens", req.request_id, how,

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state.admission = Admission(cfg.max_num_seqs * args.data_parallel_size, args.max_queue)
     state.request_timeout = args.request_timeout
+    state.release_remote = _remote_releaser(kv)
     log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), cfg.dtype,
              state.engine.describe(), args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
@@ -127,6 +128,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.engine.shutdown()
     return 0
+
+
+def _remote_releaser(kv: KVTransferConfig | None):
+    """For a decode: tells a prefill to free the blocks of a request refused at admission."""
+    if kv is None or not kv.is_consumer:
+        return None
+    from pdserve.kv_transfer import side_channel
+    from pdserve.kv_transfer.params import complete
+
+    x = kv.kv_connector_extra_config
+
+    def release(p: dict) -> None:
+        if not complete(p) or not isinstance(rid := p.get("remote_request_id"), str):
+            return
+        try:
+            side_channel.release(p["remote_host"], p["remote_port"], rid,
+                                 x.handshake_timeout, x.side_channel_secret)
+        except side_channel.HandshakeError as e:  # best effort: the lease frees them anyway
+            log.info("request %s: could not release its blocks: %s", rid, e)
+    return release
 
 
 def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):

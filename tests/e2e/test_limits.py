@@ -38,7 +38,8 @@ def _post(url: str, body: dict, **kw) -> httpx.Response:
 
 @contextmanager
 def _busy(url: str, n: int = MAX_SEQS):
-    """n long streams hold the running slots until the block ends (closing them aborts)."""
+    """n long streams hold the running slots (and the queue past MAX_SEQS) until the block
+    ends (closing them aborts)."""
     stop = threading.Event()
 
     def hold() -> None:
@@ -51,7 +52,8 @@ def _busy(url: str, n: int = MAX_SEQS):
     threads = [threading.Thread(target=hold, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
-    wait_for_metric(url, "pdserve_num_requests_running", n, timeout=60)
+    wait_for_metric(url, "pdserve_requests_in_flight", n, timeout=60)
+    wait_for_metric(url, "pdserve_num_requests_running", min(n, MAX_SEQS), timeout=60)
     try:
         yield
     finally:
@@ -173,6 +175,26 @@ def test_client_leaving_a_queued_request_frees_it(server, role, reliability_row)
                  "0 held for remote")
 
 
+def test_a_refused_decode_lets_its_prefill_go(server, reliability_row):
+    row = reliability_row("decode full: a decode-role request refused (429)",
+                          "this server prefills (lease 60 s), then, full, refuses the decode "
+                          "half with 429", "429; the decode tells the prefill at once, which "
+                          "frees its blocks long before the lease ends")
+    params = _post(server.url, {**SHORT, "max_tokens": 1, "kv_transfer_params":
+                                {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    assert metric(server.url, "pdserve_kv_blocks_held_for_remote") > 0
+    with _busy(server.url, MAX_SEQS + MAX_QUEUE):
+        r = _post(server.url, {**SHORT, "kv_transfer_params": params})
+        assert r.status_code == 429, r.text
+        start = time.monotonic()
+        wait_for_metric(server.url, "pdserve_kv_blocks_held_for_remote", 0, timeout=20)
+        took = time.monotonic() - start
+    assert metric(server.url, "pdserve_kv_lease_expired_total") == 0
+    pools_whole(server.url, timeout=30)
+    row.observed(f"429; the prefill's blocks freed {took:.1f}s later (lease 60 s), "
+                 "no lease expired")
+
+
 def test_request_id_is_echoed_and_names_every_log_line(server):
     rid = "ops-test-7f3a91"
     r = _post(server.url, {**SHORT, "max_tokens": 1, "kv_transfer_params":
@@ -187,6 +209,10 @@ def test_request_id_is_echoed_and_names_every_log_line(server):
     assert bad.status_code == 400 and bad.headers["x-request-id"] == rid + "b"
     made = _post(server.url, SHORT).headers["x-request-id"]  # none given: one is made up
     assert len(made) == 32
+    for odd in ("with space", "x" * 257, "é".encode()):  # it goes into logs and headers
+        r = _post(server.url, SHORT, headers={"X-Request-Id": odd})
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+        assert len(r.headers["x-request-id"]) == 32
     pools_whole(server.url)
     lines = [x for x in server.log().splitlines() if rid in x]
     assert any("prefill for a remote decode" in x for x in lines), lines

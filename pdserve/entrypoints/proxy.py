@@ -112,8 +112,18 @@ class Proxy:
             start = time.monotonic()
             try:
                 resp = await self.client.send(req, stream=stream)
-                b.mark(reachable=True)
-                return Sent(b, pool, resp, start, self.metrics)
+                # A 503 (draining, or shedding load) says: not here, now. The next backend
+                # may take it, unless the body names a prefill's KV: the refusing decode
+                # has told that prefill to free it (_exchange starts over instead).
+                b.mark(reachable=resp.status_code != 503)
+                if resp.status_code != 503 or b is backends[-1] or _pulls_kv(body):
+                    return Sent(b, pool, resp, start, self.metrics)
+                await resp.aclose()
+                b.outstanding -= 1
+                self.metrics.retries.labels(b.url, pool.name).inc()
+                tried.append(f"{b.url} (503)")
+                request_log(request_id).warning("%s backend %s answered 503; trying the next",
+                                                pool.name, b.url)
             except asyncio.CancelledError:  # our client went away
                 b.outstanding -= 1
                 raise
@@ -211,8 +221,23 @@ def _refuse(request_id: str, message: str) -> JSONResponse:
     return _error(400, message)
 
 
+def _pulls_kv(body: dict) -> bool:
+    return bool((body.get("kv_transfer_params") or {}).get("do_remote_prefill"))
+
+
 async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
                     stream: bool) -> Response:
+    """One request through the tiers; once more if it got a 503 where another decode could
+    serve it (a draining decode refuses a prefilled request and is then tried last)."""
+    response = await _through_tiers(proxy, path, body, request_id, stream)
+    if response.status_code == 503 and len(proxy.decode.backends) > 1:
+        request_log(request_id).info("answered 503; once more, on other backends")
+        response = await _through_tiers(proxy, path, body, request_id, stream)
+    return response
+
+
+async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
+                         stream: bool) -> Response:
     """One request through the tiers: prefill then decode, or a decode alone."""
     rlog = request_log(request_id)
     tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None

@@ -76,3 +76,44 @@ def test_an_unusable_request_id_is_refused(proxy):
         assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], bad
         assert len(r.headers["x-request-id"]) == 32  # a fresh one, to find it in the log
     assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
+
+
+class _Draining(_Backend):
+    seen: list[tuple[str, dict]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append((self.headers["X-Request-Id"], body))
+        data = b'{"error": {"message": "the server is shutting down (draining)"}}'
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _backend(handler) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_draining_backend_is_passed_over():
+    (ok, ok_url), (drain, drain_url) = _backend(_Backend), _backend(_Draining)
+    # Round robin starts with the draining one in both tiers.
+    server = start_server(["proxy", "--prefill", drain_url, ok_url,
+                           "--decode", drain_url, ok_url])
+    try:
+        _Backend.seen.clear()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        # The prefill tier moved on at once; the draining decode refused the prefilled
+        # request, so it was prefilled again and decoded on the other one.
+        legs = [("decode" if b["kv_transfer_params"].get("do_remote_prefill") else "prefill")
+                for _, b in _Draining.seen]
+        assert legs == ["prefill", "decode"]
+        assert [b["max_tokens"] for _, b in _Backend.seen] == [1, 1, 5]
+    finally:
+        server.stop()
+        ok.shutdown()
+        drain.shutdown()

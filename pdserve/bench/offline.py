@@ -22,7 +22,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.request import Request, SamplingParams, Status
 from pdserve.model.loader import model_name, resolve
 
 MAX_TOKEN_ID = 10000  # nano-vllm draws prompt ids from [0, 10000]
@@ -75,17 +75,24 @@ def _blocks(num_tokens: int, block_size: int = 16) -> int:
     return -(-num_tokens // block_size)
 
 
+def _decode_tokens(args: argparse.Namespace, batch: int) -> int:
+    """Output tokens each sequence of the decode timing asks for: enough that the first
+    ones prefilled still decode while the last prefill, and through every timed step."""
+    prefill_steps = -(-batch * args.decode_context // args.max_num_batched_tokens) + 1
+    return prefill_steps + args.decode_steps + 4
+
+
 def build_engine(args: argparse.Namespace, w: Workload, batches: list[int]) -> LLMEngine:
     # A pool for every sequence at once (as nano-vllm sizes it), so no run preempts.
     need = sum(_blocks(len(p) + o) for p, o in zip(w.prompts, w.output_lens, strict=True))
-    decode_need = max(batches, default=0) * _blocks(args.decode_context + args.decode_steps + 4)
+    decode_len = args.decode_context + _decode_tokens(args, max(batches, default=0))
+    decode_need = max(batches, default=0) * _blocks(decode_len)
     max_len = max(len(p) + o for p, o in zip(w.prompts, w.output_lens, strict=True))
     seqs = args.max_num_seqs or max(args.num_seqs, *batches, 1)
     return LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(max_len, args.decode_context + args.decode_steps + 4, 2048),
-        seed=args.seed))
+        max_model_len=max(max_len, decode_len, 2048), seed=args.seed))
 
 
 def run_engine(engine: LLMEngine, w: Workload, tag: str = "seq") -> float:
@@ -102,21 +109,24 @@ def run_engine(engine: LLMEngine, w: Workload, tag: str = "seq") -> float:
     return elapsed
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    """Median time of one step once `batch` sequences of `context` tokens all decode."""
+def decode_step_ms(engine: LLMEngine, args: argparse.Namespace, batch: int) -> float:
+    """Median time of one step once `batch` sequences of `decode_context` tokens all decode."""
     rng = random.Random(batch)
-    reqs = [Request(f"decode{batch}-{i}", [rng.randint(0, MAX_TOKEN_ID) for _ in range(context)],
-                    SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=_decode_tokens(args, batch), temperature=0.0,
+                            ignore_eos=True)
+    reqs = [Request(f"decode{batch}-{i}",
+                    [rng.randint(0, MAX_TOKEN_ID) for _ in range(args.decode_context)], params)
             for i in range(batch)]
     for r in reqs:
         engine.add_request(r)
     while any(r.num_output_tokens == 0 for r in reqs):  # prefills, not timed
         engine.step()
     times = []
-    for _ in range(steps):
+    for _ in range(args.decode_steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    assert all(r.status is Status.RUNNING for r in reqs), "a timed step ran a smaller batch"
     for r in reqs:
         engine.abort_request(r.request_id)
     return statistics.median(times) * 1000
@@ -213,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if hf is not None:
         print(f"engine: {engine_s:.1f} s; HF transformers ...", flush=True)
         hf_result = run_hf(hf, w, args.hf_batch_size)
-    decode = {b: decode_step_ms(engine, b, args.decode_context, args.decode_steps)
-              for b in batches}
+    decode = {b: decode_step_ms(engine, args, b) for b in batches}
     print(report(args, w, engine_s, hf_result, decode), flush=True)
     return 0
 

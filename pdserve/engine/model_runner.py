@@ -7,7 +7,12 @@ import torch
 from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import Batch, Chunk, LlamaModel
+from pdserve.model.llama import Batch, Chunk, DecodeGroup, LlamaModel
+
+# Decodes attend in groups of similar context length, each group's gathered K/V at most this
+# many (padded) tokens: on CPU that copy then stays in cache for the attention reading it,
+# and little padding is gathered. 4096 tokens of SmolLM2 K/V are 6 MB in float32.
+CPU_DECODE_GROUP_TOKENS = 4096
 
 
 class ModelRunner:
@@ -16,6 +21,8 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.block_size = cache.shape.block_size
+        # Accelerators prefer one call over all decodes.
+        self.group_tokens = CPU_DECODE_GROUP_TOKENS if cache.tensor.is_cpu else None
 
     def run(self, items: list[tuple[Request, int]]
             ) -> tuple[list[Request], list[int], list[float], list[TopLogprobs]]:
@@ -60,6 +67,17 @@ class ModelRunner:
 
     def _add_decodes(self, batch: Batch, decodes: list[tuple[int, Request]]) -> None:
         bs = self.block_size
+        group: list[tuple[int, Request]] = []
+        for flat, req in sorted(decodes, key=lambda d: d[1].num_computed_tokens):
+            width = -(-(req.num_computed_tokens + 1) // bs) * bs  # the group's widest: sorted
+            if group and self.group_tokens and (len(group) + 1) * width > self.group_tokens:
+                batch.decodes.append(self._decode_group(group))
+                group = []
+            group.append((flat, req))
+        batch.decodes.append(self._decode_group(group))
+
+    def _decode_group(self, decodes: list[tuple[int, Request]]) -> DecodeGroup:
+        bs = self.block_size
         # Needed blocks only: a request may hold more than its context covers.
         lens = [r.num_computed_tokens + 1 for _, r in decodes]
         width = max(-(-n // bs) for n in lens)
@@ -67,7 +85,4 @@ class ModelRunner:
         for row, (_, r) in enumerate(decodes):
             need = -(-lens[row] // bs)
             tables[row, :need] = torch.tensor(r.block_ids[:need])
-        batch.decode_index = torch.tensor([i for i, _ in decodes])
-        batch.decode_tables = tables
-        batch.decode_mask = (torch.arange(width * bs).unsqueeze(0)
-                             < torch.tensor(lens).unsqueeze(1))[:, None, None, :]
+        return DecodeGroup.build([i for i, _ in decodes], tables, lens, bs)

@@ -51,14 +51,19 @@ class KVCache:
             vc[blocks, :, offsets] = v
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V for block tables [batch, n] as [batch, kv_heads, n * block_size, dim]."""
-        return self._gather(self.tensor[:, layer, 0], tables), \
-            self._gather(self.tensor[:, layer, 1], tables)
+        """K and V for block tables [batch, n] as [batch, kv_heads, n * block_size, dim].
 
-    def _gather(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        b, n = tables.shape
-        x = cache[tables]  # [b, n, ...block]
+        One index_select of whole contiguous rows each (a block's K or V under NHD, one head
+        of it under HND, ordered so the result needs no transposing copy): a memcpy per row."""
         s = self.shape
+        b, n = tables.shape
+        per_kv = s.num_kv_heads if s.layout == "HND" else 1  # rows per block, layer and K|V
+        k_rows = (tables * s.num_layers + layer) * 2 * per_kv
+        if s.layout == "HND":  # [b, heads, n]: each head's rows in block order
+            k_rows = k_rows.unsqueeze(1) + torch.arange(per_kv, device=tables.device)[:, None]
+        rows = self.tensor.view(-1, s.block_size * s.num_kv_heads // per_kv * s.head_dim)
+        k, v = (rows.index_select(0, r.flatten()) for r in (k_rows, k_rows + per_kv))
         if s.layout == "NHD":
-            return x.reshape(b, n * s.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        return x.transpose(1, 2).reshape(b, s.num_kv_heads, n * s.block_size, s.head_dim)
+            return tuple(x.view(b, n * s.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
+                         for x in (k, v))
+        return tuple(x.view(b, s.num_kv_heads, n * s.block_size, s.head_dim) for x in (k, v))

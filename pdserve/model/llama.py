@@ -1,8 +1,8 @@
 """Llama-family forward (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
 One forward runs a flat batch of tokens from many sequences: the projections and MLP see
-all tokens at once; attention runs single-token queries (decodes) as one batched call and
-each multi-token chunk (a prefill) as its own call."""
+all tokens at once; attention runs single-token queries (decodes) in groups of similar
+context length, one call per group, and each multi-token chunk (a prefill) as its own call."""
 
 from __future__ import annotations
 
@@ -92,15 +92,29 @@ class Chunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token queries attended in one call: flat tokens `index` [g], reading block
+    tables [g, n]; `mask` [g, 1, 1, n * block_size] is True on each one's context."""
+    index: torch.Tensor
+    tables: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, index: list[int], tables: torch.Tensor, lens: list[int],
+              block_size: int) -> DecodeGroup:
+        keys = torch.arange(tables.shape[1] * block_size)
+        mask = keys.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        return cls(torch.tensor(index), tables, mask[:, None, None, :])
+
+
+@dataclass(slots=True)
 class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_blocks: torch.Tensor  # [T]: where each token's K/V is stored
     slot_offsets: torch.Tensor  # [T]
     logits_index: torch.Tensor  # [B]: tokens whose next-token logits are wanted
-    decode_index: torch.Tensor | None = None  # [D]: single-token queries
-    decode_tables: torch.Tensor | None = None  # [D, n]
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, n * block_size]
+    decodes: list[DecodeGroup] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
 
     def to(self, device: torch.device) -> Batch:
@@ -109,8 +123,11 @@ class Batch:
         move = {k: v.to(device, non_blocking=True) for k in self.__slots__
                 if isinstance(v := getattr(self, k), torch.Tensor)}
         chunks = [Chunk(c.start, c.end, c.pos, c.table.to(device)) for c in self.chunks]
+        decodes = [DecodeGroup(*(x.to(device, non_blocking=True) for x in (d.index, d.tables,
+                                                                            d.mask)))
+                   for d in self.decodes]
         return Batch(**{**{k: getattr(self, k) for k in self.__slots__}, **move,
-                        "chunks": chunks})
+                        "chunks": chunks, "decodes": decodes})
 
 
 @dataclass(slots=True)
@@ -193,12 +210,12 @@ class LlamaModel:
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: Batch, cache: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)
-        if batch.decode_index is not None:
-            kc, vc = cache.gather(layer, batch.decode_tables)
-            qd = q[batch.decode_index].unsqueeze(2)  # [D, heads, 1, dim]
-            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=batch.decode_mask,
-                                               enable_gqa=True)
-            out[batch.decode_index] = o.squeeze(2)
+        for d in batch.decodes:
+            kc, vc = cache.gather(layer, d.tables)
+            # The query heads sharing a KV head are that head's rows: GQA without expanding K/V.
+            qd = q[d.index].unflatten(1, (kc.shape[1], -1))  # [g, kv_heads, group, dim]
+            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=d.mask)
+            out[d.index] = o.flatten(1, 2)
         for ch in batch.chunks:
             qc = q[ch.start:ch.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if ch.pos == 0:  # nothing cached before this chunk: attend to its own K/V

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import Batch, Chunk
+from pdserve.model.llama import Batch, Chunk, DecodeGroup
 from tests.utils import PASSAGE, assert_matches_reference, greedy, run_engine
 
 NEW_TOKENS = 24
@@ -61,8 +61,7 @@ def _forward(model, cache: KVCache, ids: list[int], start: int, table: list[int]
     batch = Batch(torch.tensor(ids), pos, blocks, pos % bs, torch.arange(n))
     if decode:
         assert n == 1
-        batch.decode_index, batch.decode_tables = torch.tensor([0]), used
-        batch.decode_mask = (torch.arange(used.shape[1] * bs) < end)[None, None, None, :]
+        batch.decodes = [DecodeGroup.build([0], used, [end], bs)]
     else:
         batch.chunks = [Chunk(0, n, start, used)]
     return model.forward(batch, cache)

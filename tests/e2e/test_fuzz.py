@@ -26,7 +26,9 @@ ABSENT = object()
 @pytest.fixture(scope="module")
 def pd():
     kv = kv_config(kv_lease_duration=LEASE, handshake_timeout=1)
-    prefill, decode = serve(kv), serve(kv)
+    # A body without max_tokens generates up to the model length: 2048 tokens took up to
+    # 190 s on a loaded 2-core machine, past the client's 60 s timeout.
+    prefill, decode = serve(kv, "--max-model-len", "256"), serve(kv, "--max-model-len", "256")
     front = proxy(prefill, decode)
     info = httpx.get(prefill.url + "/v1/kv_transfer/info").json()["ranks"][0]
     yield prefill, decode, front, info

@@ -26,7 +26,9 @@ ABSENT = object()
 @pytest.fixture(scope="module")
 def pd():
     kv = kv_config(kv_lease_duration=LEASE, handshake_timeout=1)
-    prefill, decode = serve(kv), serve(kv)
+    # A body without max_tokens generates up to the model length: 2048 tokens took up to
+    # 190 s on a loaded 2-core machine, past the client's 60 s timeout.
+    prefill, decode = serve(kv, "--max-model-len", "256"), serve(kv, "--max-model-len", "256")
     # Routing that reads the prompt (token counts, prefix keys) sees the junk too.
     front = proxy(prefill, decode, "--policy", "prefix", "--local-prefill-below", "8",
                   "--max-prefill-queue", "4")

@@ -20,8 +20,9 @@ from starlette.background import BackgroundTask
 
 from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
-from pdserve.engine.request import RequestOutput, TopLogprobs
+from pdserve.engine.request import RequestOutput
 from pdserve.entrypoints.admission import Admission, Ticket
+from pdserve.entrypoints.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -110,8 +111,8 @@ def build_app(state: ServerState) -> FastAPI:
         reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
             state.tokenizer.decode(ids)
-        return await _respond(state, reqs, body, raw,
-                              _CompletionFormat(state, reqs, body, echo))
+        fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo)
+        return await _respond(state, reqs, body, raw, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -124,7 +125,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
         reqs = _engine_requests(state, body, ids, max_tokens, raw)
-        return await _respond(state, reqs, body, raw, _ChatFormat(state, reqs, body))
+        fmt = ChatFormat(state.names[0], state.tokenizer, reqs, body)
+        return await _respond(state, reqs, body, raw, fmt)
 
     return app
 
@@ -179,7 +181,7 @@ def request_id(raw: Request) -> str:
 
 
 async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, raw: Request,
-                   fmt: _Format) -> Response:
+                   fmt: ResponseFormat) -> Response:
     ticket = state.admission.admit()
     if not isinstance(ticket, Ticket):
         log.warning("request %s: refused with %d: %s", reqs[0].request_id, *ticket)
@@ -271,7 +273,7 @@ async def _run(state: ServerState, outputs: AsyncIterator[RequestOutput], req: E
                  time.monotonic() - req.arrival_time, n)
 
 
-async def _collect(fmt: _Format, outputs: AsyncIterator[RequestOutput]) -> None:
+async def _collect(fmt: ResponseFormat, outputs: AsyncIterator[RequestOutput]) -> None:
     async for out in outputs:
         fmt.add(out)
 
@@ -282,7 +284,7 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-async def _sse(fmt: _Format, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _sse(fmt: ResponseFormat, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     try:
         async for out in outputs:
             for chunk in fmt.chunks(out):
@@ -296,147 +298,6 @@ async def _sse(fmt: _Format, outputs: AsyncIterator[RequestOutput]) -> AsyncIter
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One choice's output so far."""
-    index: int
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False  # its first chunk went out (role, echo)
-
-
-class _Format:
-    """Accumulates one request's outputs (n choices) into OpenAI's response and stream-chunk
-    shapes."""
-
-    object_name = ""
-    id_prefix = ""
-
-    def __init__(self, state: ServerState, reqs: list[EngineRequest], body: _Body,
-                 echo: str = "") -> None:
-        self.state, self.body = state, body
-        self.params = reqs[0].params
-        self.num_prompt_tokens = reqs[0].num_prompt_tokens
-        self.id = f"{self.id_prefix}-{reqs[0].request_id}"
-        self.created = int(time.time())
-        self.choices = {r.request_id: _Choice(i) for i, r in enumerate(reqs)}
-        self.kv_transfer_params: dict[str, Any] | None = None
-        self.echo = echo  # text prepended to each choice (completions' echo)
-
-    def add(self, out: RequestOutput) -> _Choice:
-        c = self.choices[out.request_id]
-        c.text += out.text
-        c.tokens += out.new_token_ids
-        c.logprobs += out.new_logprobs
-        c.top_logprobs += out.new_top_logprobs
-        c.finish_reason = out.finish_reason
-        if out.kv_transfer_params is not None:
-            self.kv_transfer_params = out.kv_transfer_params
-        return c
-
-    def usage(self) -> dict[str, int]:
-        p, c = self.num_prompt_tokens, sum(len(c.tokens) for c in self.choices.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def envelope(self, choices: list[dict], final: bool = True) -> dict[str, Any]:
-        suffix = "" if final else ".chunk"
-        body: dict[str, Any] = {"id": self.id, "object": self.object_name + suffix,
-                                "created": self.created, "model": self.state.names[0],
-                                "choices": choices}
-        if final:
-            body["usage"] = self.usage()
-            body["kv_transfer_params"] = self.kv_transfer_params
-        return body
-
-    def token_text(self, ids: list[int]) -> list[str]:
-        return [self.state.tokenizer.decode([t]) for t in ids]
-
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        c = self.add(out)
-        chunks = [self.envelope([self.delta(c, out)], final=False)]
-        c.started = True
-        if out.finished:
-            if out.kv_transfer_params is not None:
-                chunks[-1]["kv_transfer_params"] = out.kv_transfer_params
-            last = all(c.finish_reason for c in self.choices.values())
-            if last and self.body.include_usage:  # OpenAI: one chunk after every choice
-                chunks.append({**self.envelope([], final=False), "usage": self.usage()})
-        return chunks
-
-    def final(self) -> dict[str, Any]:
-        return self.envelope([self.choice(c) for c in self.choices.values()])
-
-    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def choice(self, c: _Choice) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    object_name = "text_completion"
-    id_prefix = "cmpl"
-
-    def _logprobs(self, c: _Choice, ids: list[int], lps: list[float],
-                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
-        if not self.params.logprobs:
-            return None
-        texts = self.token_text(ids)
-        offsets, pos = [], len(c.text) - sum(map(len, texts))
-        for t in texts:
-            offsets.append(pos)
-            pos += len(t)
-        # Each position's dict holds the chosen token and the k likeliest (OpenAI's k + 1).
-        top = [{text: lp, **{self.state.tokenizer.decode([i]): v for i, v in t}}
-               for text, lp, t in zip(texts, lps, tops or [[]] * len(ids), strict=True)]
-        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": top,
-                "text_offset": offsets}
-
-    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
-        return {"index": c.index, "text": (self.echo if not c.started else "") + out.text,
-                "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(c, out.new_token_ids, out.new_logprobs,
-                                           out.new_top_logprobs)}
-
-    def choice(self, c: _Choice) -> dict[str, Any]:
-        return {"index": c.index, "text": self.echo + c.text, "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c, c.tokens, c.logprobs, c.top_logprobs)}
-
-
-class _ChatFormat(_Format):
-    object_name = "chat.completion"
-    id_prefix = "chatcmpl"
-
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.state.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _logprobs(self, ids: list[int], lps: list[float],
-                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
-        if not self.params.logprobs:
-            return None
-        return {"content": [{**self._entry(t, lp),
-                             "top_logprobs": [self._entry(*e) for e in top]}
-                            for t, lp, top in zip(ids, lps, tops or [[]] * len(ids),
-                                                  strict=True)]}
-
-    def delta(self, c: _Choice, out: RequestOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": out.text}
-        if not c.started:
-            delta["role"] = "assistant"
-        return {"index": c.index, "delta": delta, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs,
-                                           out.new_top_logprobs)}
-
-    def choice(self, c: _Choice) -> dict[str, Any]:
-        return {"index": c.index, "finish_reason": c.finish_reason,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.tokens, c.logprobs, c.top_logprobs)}
 
 
 async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:

@@ -37,7 +37,7 @@ from pdserve.entrypoints.routing import (
     poll_queues,
     prefix_key,
 )
-from pdserve.entrypoints.streams import merge_streams, sum_usage
+from pdserve.entrypoints.streams import choice_body, merged_events, sum_usage
 
 log = logging.getLogger("pdserve.proxy")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -279,7 +279,7 @@ async def _fan_out(proxy: Proxy, path: str, body: dict, request_id: str,
     """n > 1 choices as n prefill -> decode exchanges of one choice each (a prefill hands
     over one request's KV), merged into one answer with the choices re-indexed."""
     answers = await asyncio.gather(*(
-        _exchange(proxy, path, _choice_body(body, i), request_id, stream)
+        _exchange(proxy, path, choice_body(body, i), request_id, stream)
         for i in range(body["n"])))
     if (bad := next((a for a in answers if a.status_code != 200), None)) is not None:
         for a in answers:
@@ -288,50 +288,13 @@ async def _fan_out(proxy: Proxy, path: str, body: dict, request_id: str,
         return bad
     headers = {"X-Request-Id": request_id}
     if stream:
-        return StreamingResponse(_merged_events(answers), media_type="text/event-stream",
+        return StreamingResponse(merged_events(answers), media_type="text/event-stream",
                                  headers=headers)
     parts = [json.loads(a.body) for a in answers]
     choices = [{**c, "index": i} for i, part in enumerate(parts) for c in part["choices"]]
     return JSONResponse({**parts[0], "choices": choices,
                          "usage": sum_usage([part["usage"] for part in parts])},
                         headers=headers)
-
-
-def _choice_body(body: dict, i: int) -> dict:
-    """Choice i alone: n = 1 and, as a server seeds its choice i, seed + i."""
-    seed = body.get("seed")
-    return {**body, "n": 1, **({"seed": seed + i} if type(seed) is int else {})}
-
-
-async def _merged_events(answers: list[StreamingResponse]):
-    """The choices' SSE streams as one: chunks re-indexed, one usage chunk (if asked) after
-    all choices, one [DONE]."""
-    async def events(i: int, answer: StreamingResponse):
-        buf = b""
-        try:
-            async for data in answer.body_iterator:
-                buf += data if isinstance(data, bytes) else data.encode()
-                *complete, buf = buf.split(b"\n\n")
-                for event in complete:
-                    yield i, event
-        finally:  # closes the decode's response: aborts its request if we stop early
-            await answer.body_iterator.aclose()
-
-    usages = []
-    async for i, event in merge_streams([events(i, a) for i, a in enumerate(answers)]):
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            continue
-        chunk = json.loads(event[6:])
-        if chunk.get("usage") and not chunk.get("choices"):
-            usages.append(chunk)
-            continue
-        for c in chunk.get("choices") or []:
-            c["index"] = i
-        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-    if usages:
-        usage = {**usages[0], "usage": sum_usage([u["usage"] for u in usages])}
-        yield f"data: {json.dumps(usage, separators=(',', ':'))}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 async def _unless_gone(request: Request, exchange: Coroutine[Any, Any, Response]) -> Response:

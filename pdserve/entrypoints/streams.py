@@ -1,10 +1,14 @@
-"""The n choices of one request: their streams merged into one, their usage summed."""
+"""The n choices of one request: their streams merged into one, their usage summed; on the
+proxy, the body of each choice's own request and their SSE answers merged."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import TypeVar
+
+from fastapi.responses import StreamingResponse
 
 T = TypeVar("T")
 
@@ -42,3 +46,40 @@ def sum_usage(usages: list[dict[str, int]]) -> dict[str, int]:
     completion = sum(u["completion_tokens"] for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def choice_body(body: dict, i: int) -> dict:
+    """Choice i alone: n = 1 and, as a server seeds its choice i, seed + i."""
+    seed = body.get("seed")
+    return {**body, "n": 1, **({"seed": seed + i} if type(seed) is int else {})}
+
+
+async def merged_events(answers: list[StreamingResponse]):
+    """The choices' SSE streams as one: chunks re-indexed, one usage chunk (if asked) after
+    all choices, one [DONE]."""
+    async def events(i: int, answer: StreamingResponse):
+        buf = b""
+        try:
+            async for data in answer.body_iterator:
+                buf += data if isinstance(data, bytes) else data.encode()
+                *complete, buf = buf.split(b"\n\n")
+                for event in complete:
+                    yield i, event
+        finally:  # closes the decode's response: aborts its request if we stop early
+            await answer.body_iterator.aclose()
+
+    usages = []
+    async for i, event in merge_streams([events(i, a) for i, a in enumerate(answers)]):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        chunk = json.loads(event[6:])
+        if chunk.get("usage") and not chunk.get("choices"):
+            usages.append(chunk)
+            continue
+        for c in chunk.get("choices") or []:
+            c["index"] = i
+        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    if usages:
+        usage = {**usages[0], "usage": sum_usage([u["usage"] for u in usages])}
+        yield f"data: {json.dumps(usage, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"

@@ -88,6 +88,7 @@ class TPGroup:
         self.lock = threading.RLock()
         self.procs: list[mp.Process] = []
         self.worker_infos: list[dict] = []  # each worker's KV-transfer info
+        self.broken = False
 
     @classmethod
     def join(cls, procs: list[mp.Process], store: dist.TCPStore, platform: Platform,
@@ -104,22 +105,27 @@ class TPGroup:
 
     def send(self, cmd: tuple) -> None:
         with self.lock:
-            dist.broadcast_object_list([cmd], src=0, group=self.ctrl)
+            self._broadcast(cmd)
 
     def call(self, cmd: tuple) -> list[Any]:
         """Broadcast `cmd` and return every worker's answer (ranks 1..T-1)."""
         with self.lock:
-            dist.broadcast_object_list([cmd], src=0, group=self.ctrl)
+            self._broadcast(cmd)
             out: list[Any] = [None] * self.size
             dist.gather_object(None, out, dst=0, group=self.ctrl)
         return out[1:]
+
+    def _broadcast(self, cmd: tuple) -> None:
+        if self.broken:  # the ranks' collectives no longer pair up: never send more
+            raise RuntimeError("the tensor-parallel group failed mid-step; restart the server")
+        dist.broadcast_object_list([cmd], src=0, group=self.ctrl)
 
     def stop(self) -> None:
         if not self.procs:
             return
         procs, self.procs = self.procs, []
         with suppress(RuntimeError):  # a worker is gone, the group broken: stop by force
-            if all(p.is_alive() for p in procs):
+            if all(p.is_alive() for p in procs) and not self.broken:
                 self.send(("stop",))
         for p in procs:
             p.join(timeout=5)
@@ -149,7 +155,11 @@ class TPModel:
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         with self.group.lock:
             self.group.send(("step", _on_host(batch)))
-            return self.model.forward(batch, cache)
+            try:
+                return self.model.forward(batch, cache)
+            except Exception:  # the workers may be waiting in an all-reduce of this step
+                self.group.broken = True
+                raise
 
 
 def _on_host(batch: Batch) -> Batch:

@@ -67,7 +67,7 @@ def generate(device: str, prompts: list[list[int]], layout: str) -> list[list[in
         scheduler.add(r)
     while scheduler.num_unfinished:
         items = scheduler.schedule().items
-        sampled, tokens, _ = runner.run(items)
+        sampled, tokens, *_ = runner.run(items)
         for r, n in items:
             r.num_computed_tokens += n
         for r, tok in zip(sampled, tokens, strict=True):

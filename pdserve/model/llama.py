@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.kv_cache import KVCache, KVShape
+from pdserve.model.linear import Gemm
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,6 +154,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.all_reduce = all_reduce or (lambda t: t)
+        self.gemm = gemm = Gemm.for_model(dtype, device)
         sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
                  config.head_dim, "v": config.num_kv_heads * config.head_dim,
                  "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
@@ -172,17 +174,19 @@ class LlamaModel:
         # Fused projections: one GEMM for q/k/v and one for gate/up.
         self.layers = [Layer(
             ln1=w(f"{p}{i}.input_layernorm.weight"),
-            qkv=torch.cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"]),
+            qkv=gemm.weight(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"])),
             qkv_bias=(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.bias") for x in "qkv"])
                       if config.qkv_bias else None),
-            o=w(f"{p}{i}.self_attn.o_proj.weight"),
+            o=gemm.weight(w(f"{p}{i}.self_attn.o_proj.weight")),
             ln2=w(f"{p}{i}.post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(f"{p}{i}.mlp.gate_proj.weight"), w(f"{p}{i}.mlp.up_proj.weight")]),
-            down=w(f"{p}{i}.mlp.down_proj.weight"),
+            gate_up=gemm.weight(torch.cat([w(f"{p}{i}.mlp.gate_proj.weight"),
+                                           w(f"{p}{i}.mlp.up_proj.weight")])),
+            down=gemm.weight(w(f"{p}{i}.mlp.down_proj.weight")),
         ) for i in range(config.num_layers)]
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = gemm.weight(self.embed if config.tie_word_embeddings
+                                   else w("lm_head.weight"))
         self.cos, self.sin = _rope_table(config, max_len, device)
 
     @torch.inference_mode()
@@ -193,19 +197,20 @@ class LlamaModel:
         cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)
         sin = self.sin[batch.positions].to(self.dtype).unsqueeze(1)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        linear = self.gemm
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.ln1, c.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
+            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
             q = _rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
             k = _rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
-            h = h + self.all_reduce(F.linear(self._attention(i, q, k, v, batch, cache), layer.o))
+            h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
             x = _rms_norm(h, layer.ln2, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, -1)
-            h = h + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
+            gate, up = linear(x, layer.gate_up).chunk(2, -1)
+            h = h + self.all_reduce(linear(F.silu(gate) * up, layer.down))
         h = _rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: Batch, cache: KVCache) -> torch.Tensor:

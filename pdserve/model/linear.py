@@ -14,9 +14,9 @@ from pdserve.platforms.cpu import has_native_bf16
 class Gemm:
     """`y = x @ w.T + b`. On CPUs with bf16 hardware (AMX, AVX512-BF16), bf16 weights are
     reordered into oneDNN's blocked layout once: plain F.linear reorders them on every call,
-    which here cost 1.4x per decode step on one thread and 1.9x per 512-token prefill on
-    two (`pdserve bench offline` figures in docs/benchmarks.md). Results are unchanged:
-    the same kernels run on the same layout."""
+    which here made a decode step's products 1.45x slower on one thread and a 512-token
+    prefill's 1.85x slower on two (figures in docs/benchmarks.md). Results are unchanged:
+    the same kernels run on the same layout. A tied lm_head is packed as its own copy."""
     prepacked: bool
 
     @classmethod

@@ -220,6 +220,7 @@ def run_worker(spec: WorkerSpec) -> None:
                         f"tp{spec.tp_rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     from pdserve.engine.engine import DTYPES
+    from pdserve.engine.engine_loop import freeze_heap
     from pdserve.platforms import get_platform
 
     cfg = spec.config
@@ -245,6 +246,7 @@ def run_worker(spec: WorkerSpec) -> None:
         return
     store.set(f"ready{spec.tp_rank}", json.dumps(kv.info() if kv else {}))
     group = TPGroup(spec.tp_rank, spec.tp_size, store, platform.dist_backend(), device)
+    freeze_heap()
     try:
         _serve(group, model, cache, kv)
     finally:

@@ -60,34 +60,29 @@ def add_parser(sub) -> None:
 
 
 def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
-    """Lay out ports and cores: decode ranks get cores of their own (one thread each, from
-    the top), prefills all cores at a lower priority, so a decode step never waits for a
-    prefill. Each instance takes dp * tp consecutive side-channel ports (one per rank)."""
-    cpus = sorted(os.sched_getaffinity(0))
+    """Lay out ports and cores (see `share_cores`). Each instance takes dp * tp consecutive
+    side-channel ports (one per rank)."""
+    cores = share_cores(sorted(os.sched_getaffinity(0)), args.prefill,
+                        args.prefill_dp * args.prefill_tp, args.decode,
+                        args.decode_dp * args.decode_tp)
     out: list[Instance] = []
-    port, side, next_core = args.base_port, args.side_channel_base_port, 0
-    # OMP threads that spin while idle would steal the decode's core.
+    port, side = args.base_port, args.side_channel_base_port
+    # OMP threads that spin while idle would steal the other tier's core.
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
     for role, count, dp, tp in (("prefill", args.prefill, args.prefill_dp, args.prefill_tp),
                                 ("decode", args.decode, args.decode_dp, args.decode_tp)):
         for i in range(count):
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                   "engine_id": f"{role}{i}"}
+            cpus, threads, nice = cores[role][i]
             argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
                     "--host", args.host, "--port", str(port),
                     "--kv-transfer-config", json.dumps(kv), "--data-parallel-size", str(dp),
                     "--tensor-parallel-size", str(tp),
                     "--kv-side-channel-host", args.host,
-                    "--kv-side-channel-port", str(side), *engine_argv]
-            url = f"http://{args.host}:{port}"
-            if role == "decode":
-                cores = {cpus[-1 - (next_core + r) % len(cpus)] for r in range(dp * tp)}
-                next_core += dp * tp
-                inst = Instance(f"{role}{i}", [*argv, "--num-threads", "1"], url, env, cores)
-            else:
-                threads = max(1, len(cpus) // (dp * tp))
-                inst = Instance(f"{role}{i}", [*argv, "--num-threads", str(threads)], url, env,
-                                None, nice=10 if len(cpus) > 1 else 0)
+                    "--kv-side-channel-port", str(side), *engine_argv,
+                    "--num-threads", str(threads)]
+            inst = Instance(f"{role}{i}", argv, f"http://{args.host}:{port}", env, cpus, nice)
             if args.api_key:
                 inst.argv += ["--api-key", args.api_key]
             out.append(inst)
@@ -102,6 +97,27 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
         proxy += ["--api-key", args.api_key]
     out.append(Instance("proxy", proxy, f"http://{args.host}:{args.port}", {}))
     return out
+
+
+def share_cores(cpus: list[int], prefills: int, prefill_ranks: int, decodes: int,
+                decode_ranks: int) -> dict[str, list[tuple[set[int] | None, int, int]]]:
+    """(cores, threads per rank, nice) of each instance. Every decode rank gets a core of its
+    own, from the top, and one thread: a decode step is latency-bound and must never wait
+    for a prefill. The prefills split the cores left over between them, so their threads do
+    not straggle behind a decode on a shared core (a parallel region runs at the pace of its
+    slowest thread); where no core is left they share all of them at a lower priority."""
+    n_dec = decodes * decode_ranks
+    top = [cpus[-1 - r % len(cpus)] for r in range(n_dec)]
+    decode = [({*top[i * decode_ranks:(i + 1) * decode_ranks]}, 1, 0) for i in range(decodes)]
+    rest = [c for c in cpus if c not in top]
+    share = len(rest) // prefills if prefills else 0
+    if share:
+        prefill = [({*rest[i * share:(i + 1) * share]}, max(1, share // prefill_ranks), 0)
+                   for i in range(prefills)]
+    else:
+        prefill = [(None, max(1, len(cpus) // prefill_ranks), 10 if len(cpus) > 1 else 0)
+                   ] * prefills
+    return {"prefill": prefill, "decode": decode}
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

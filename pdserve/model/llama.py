@@ -200,10 +200,12 @@ class LlamaModel:
         linear = self.gemm
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.ln1, c.rms_norm_eps)
-            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
-            q = _rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = _rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            # q and k side by side are one [T, heads + kv_heads, dim] view: one rotation.
+            qk = _rope(qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads,
+                                                      c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], 1)
+            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
             x = _rms_norm(h, layer.ln2, c.rms_norm_eps)
@@ -245,9 +247,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """HF's rotate-half RoPE; `sin` carries rotate_half's sign in its first half (see
+    _rope_table), so the rotation is one roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +258,8 @@ def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, tor
     if c.rope_scaling:
         inv_freq = _llama3_scaling(inv_freq, c.rope_scaling)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1).to(device), torch.cat((-sin, sin), -1).to(device)
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

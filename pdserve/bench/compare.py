@@ -38,6 +38,7 @@ class Scenario:
     primary_rate: float = 1.0  # the rate the table and CDFs are drawn at
     layouts: list[str] = field(default_factory=lambda: ["tp1", "dp2", "1p1d"])  # tp2: opt in
     dtype: str = "auto"
+    num_warmups: int = 4  # untimed requests, sent together, before each rate's run
     model: str | None = None  # None: the embedded SmolLM2 (which tp2 cannot split)
 
     @classmethod
@@ -80,7 +81,8 @@ def run_layout(layout: str, sc: Scenario, out: Path) -> dict[float, dict]:
             code = serve.main(["--base-url", url, "--random-input-len", str(sc.input_len),
                                "--random-output-len", str(sc.output_len), "--num-prompts",
                                str(sc.num_prompts), "--request-rate", str(rate),
-                               "--ignore-eos", "--no-progress", "--save-result",
+                               "--ignore-eos", "--num-warmups", str(sc.num_warmups),
+                               "--no-progress", "--save-result",
                                "--result-file", str(path)])
             if code == 0:
                 results[rate] = json.loads(path.read_text())

@@ -340,6 +340,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="untimed requests sent together before the run, so it starts warm "
+                   "(batch shapes seen, connections and KV handshakes made)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -360,6 +363,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--random-range-ratio must be in [0, 1)")
     if args.num_prompts < 1 or args.request_rate <= 0:
         p.error("--num-prompts and --request-rate must be positive")
+    if args.num_warmups < 0:
+        p.error("--num-warmups must be >= 0")
     args.percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
     return args
 
@@ -382,6 +387,12 @@ async def _benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         if not test.success:
             print(f"Initial test run failed: {test.error}", file=sys.stderr)
             return None
+        if args.num_warmups:
+            print(f"Warming up with {args.num_warmups} requests...", file=sys.stderr)
+            n = len(bodies)
+            await run_load(client, url, [bodies[i % n] for i in range(args.num_warmups)],
+                           [0] * args.num_warmups, [0.0] * args.num_warmups,
+                           args.max_concurrency, False)
         offsets = arrival_offsets(len(bodies), args.request_rate, rng)
         records, duration = await run_load(client, url, bodies,
                                            [s.prompt_len for s in samples], offsets,

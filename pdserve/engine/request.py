@@ -65,6 +65,7 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    penalty_prompt_ids: Any = None  # the sampler's: its prompt's distinct ids, as a tensor
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -3,8 +3,6 @@ logprobs and top logprobs."""
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
 from pdserve.engine.request import Request, TopLogprobs
@@ -17,6 +15,7 @@ class Sampler:
         self._gen = torch.Generator().manual_seed(seed)
         self._row_gen = torch.Generator()
 
+    @torch.inference_mode()  # the logits are the model's inference tensors: penalties write them
     def sample(self, logits: torch.Tensor, reqs: list[Request]
                ) -> tuple[list[int], list[float], list[TopLogprobs]]:
         """Pick one token per row of float32 logits [B, vocab]. Returns the tokens, the
@@ -61,7 +60,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     when positive, multiplied when negative), then presence and frequency penalties
     (OpenAI: minus pres if the token occurs in the output, minus freq per occurrence).
     Gathers and scatters at the seen tokens only: the cost follows the tokens, not the
-    batch x vocabulary."""
+    batch x vocabulary. Writes the penalised rows of `logits` in place."""
     rows = [i for i, r in enumerate(reqs) if r.params.penalised]
     if not rows:
         return logits
@@ -69,23 +68,29 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     x = logits[rows]  # a copy
     rep, pres, freq = (torch.tensor([getattr(r.params, k) for r in sub])
                        for k in ("repetition_penalty", "presence_penalty", "frequency_penalty"))
+    outputs = [torch.tensor(r.output_token_ids, dtype=torch.long) for r in sub]
     # Repeated indices write the same value, computed from the logit before the penalty.
-    seen = _flat([r.token_ids for r in sub])
+    seen = _flat([torch.cat((_prompt_ids(r), o)) for r, o in zip(sub, outputs, strict=True)])
     v = x[seen]
     x[seen] = torch.where(v > 0, v / rep[seen[0]], v * rep[seen[0]])
-    out = _flat([r.output_token_ids for r in sub])
+    out = _flat(outputs)
     x[out] = x[out] - pres[out[0]]
     x.index_put_(out, -freq[out[0]], accumulate=True)
-    logits = logits.clone()
     logits[rows] = x
     return logits
 
 
-def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _prompt_ids(req: Request) -> torch.Tensor:
+    """The prompt's distinct token ids, built once per request rather than every step."""
+    if req.penalty_prompt_ids is None:
+        req.penalty_prompt_ids = torch.tensor(req.prompt_token_ids, dtype=torch.long).unique()
+    return req.penalty_prompt_ids
+
+
+def _flat(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token id) index tensors of every token of every sequence."""
     lens = torch.tensor([len(s) for s in seqs])
-    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(seqs)), lens), ids
+    return torch.repeat_interleave(torch.arange(len(seqs)), lens), torch.cat(seqs)
 
 
 def _top_logprobs(raw: torch.Tensor, reqs: list[Request]) -> list[TopLogprobs]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.serve import main
 from tests.utils import free_port, start_server
@@ -54,6 +56,20 @@ def test_chat(server, tmp_path):
     # Random words are a token each; the chat template adds its own (SmolLM2's default system
     # prompt is about 30 tokens).
     assert all(32 <= n <= 32 + 48 for n in r["input_lens"])
+
+
+def _generated(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "pdserve_generation_tokens" for s in f.samples
+               if s.name.endswith("_total"))
+
+
+def test_warmups_reach_the_server_but_not_the_figures(server, tmp_path):
+    before = _generated(server)
+    r = _run(server, tmp_path, "--num-warmups", "3")
+    assert (r["completed"], r["total_output_tokens"]) == (4, 32)
+    assert _generated(server) - before == (1 + 3 + 4) * 8  # test prompt, warm-ups, the run
 
 
 def test_unreachable_server_fails_cleanly(tmp_path):

@@ -127,7 +127,7 @@ def test_penalties_match_hf_processor_and_openai_formulas():
     reqs = [_history(torch.randint(0, 50, (12,), generator=g).tolist(),
                      torch.randint(0, 50, (9,), generator=g).tolist(), **p)
             for p in [*PENALTIES, {}]]  # the last row has none: left as it was
-    got = apply_penalties(logits, reqs)
+    got = apply_penalties(logits.clone(), reqs)
     for row, req in enumerate(reqs):
         p = req.params
         ids = torch.tensor([req.token_ids])
@@ -145,7 +145,7 @@ def test_greedy_follows_the_penalties_logprob_stays_raw():
     reqs = [_history([1], [t], temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0,
                      repetition_penalty=50.0) for t in top]
     tokens, logprobs, _ = Sampler().sample(logits.clone(), reqs)
-    assert tokens == apply_penalties(logits, reqs).argmax(-1).tolist()
+    assert tokens == apply_penalties(logits.clone(), reqs).argmax(-1).tolist()
     assert all(t != old for t, old in zip(tokens, top, strict=True))
     raw = torch.log_softmax(logits, -1)
     assert logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(tokens)],

@@ -76,9 +76,12 @@ def run_layout(layout: str, sc: Scenario, out: Path) -> dict[float, dict]:
     ctx, url = start(layout, sc)
     results = {}
     with ctx:
-        for rate in sc.rates:
+        for i, rate in enumerate(sc.rates):
             path = out / f"{layout}-rate{rate:g}.json"
-            code = serve.main(["--base-url", url, "--random-input-len", str(sc.input_len),
+            # Each rate its own prompts (the same for every layout): repeated ones would be
+            # served from the prefix cache the previous rate filled.
+            code = serve.main(["--base-url", url, "--seed", str(i),
+                               "--random-input-len", str(sc.input_len),
                                "--random-output-len", str(sc.output_len), "--num-prompts",
                                str(sc.num_prompts), "--request-rate", str(rate),
                                "--ignore-eos", "--num-warmups", str(sc.num_warmups),

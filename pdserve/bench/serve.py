@@ -380,19 +380,22 @@ async def _benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         samples = sample_random(args.num_prompts, args.random_input_len,
                                 args.random_output_len, args.random_range_ratio, chat, rng)
         bodies = [_payload(model, s, chat, args.ignore_eos) for s in samples]
+        # The test prompt and warm-ups are prompts of their own: were they the run's, the
+        # server's prefix cache would serve those prompts and flatter the figures.
+        warm = [_payload(model, s, chat, args.ignore_eos) for s in sample_random(
+            1 + args.num_warmups, args.random_input_len, args.random_output_len,
+            args.random_range_ratio, chat, np.random.default_rng([args.seed, 1]))]
         url = base + args.endpoint
         # One request first, untimed: a misconfigured run fails at once and the server warms.
         print("Starting initial single prompt test run...", file=sys.stderr)
-        test = await send(client, url, bodies[0], samples[0].prompt_len)
+        test = await send(client, url, warm[0], 0)
         if not test.success:
             print(f"Initial test run failed: {test.error}", file=sys.stderr)
             return None
         if args.num_warmups:
             print(f"Warming up with {args.num_warmups} requests...", file=sys.stderr)
-            n = len(bodies)
-            await run_load(client, url, [bodies[i % n] for i in range(args.num_warmups)],
-                           [0] * args.num_warmups, [0.0] * args.num_warmups,
-                           args.max_concurrency, False)
+            await run_load(client, url, warm[1:], [0] * args.num_warmups,
+                           [0.0] * args.num_warmups, args.max_concurrency, False)
         offsets = arrival_offsets(len(bodies), args.request_rate, rng)
         records, duration = await run_load(client, url, bodies,
                                            [s.prompt_len for s in samples], offsets,

@@ -95,7 +95,10 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
              "--prefill", *prefills, "--decode", *decodes]
     if args.api_key:
         proxy += ["--api-key", args.api_key]
-    out.append(Instance("proxy", proxy, f"http://{args.host}:{args.port}", {}))
+    # The proxy relays every token: on the prefills' cores it takes none from a decode's.
+    spare = [c for c, _, _ in cores["prefill"]]
+    out.append(Instance("proxy", proxy, f"http://{args.host}:{args.port}", {},
+                        set().union(*spare) if None not in spare else None))
     return out
 
 

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
+_GIVEN: set[int] = set()
+
 
 def free_port(count: int = 1) -> int:
-    """A port p with p .. p+count-1 free on 127.0.0.1."""
+    """A port p with p .. p+count-1 free on 127.0.0.1, below the kernel's ephemeral range:
+    a port from that range can be taken as the source port of any outgoing connection
+    between now and the server binding it."""
+    low = _ephemeral_low()
+    top = low if low - count > 20000 else 65000  # no room below it: take what is free
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65000 and all(_free(base + i) for i in range(count)):
+        ports = range(base := random.randrange(10000, top - count), base + count)
+        # Not one handed out before either: its server may not have bound it yet.
+        if not _GIVEN.intersection(ports) and all(_free(p) for p in ports):
+            _GIVEN.update(ports)
             return base
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _free(port: int) -> bool:

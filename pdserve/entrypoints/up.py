@@ -157,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         for inst in instances:
             _start(inst)
         if not _wait_healthy(instances, args.startup_timeout, lambda: stopping):
-            return 1
+            # Asked to stop before this loop saw every instance healthy (a client may have
+            # seen the proxy healthy first) is a clean stop, not a failed start.
+            return 0 if stopping else 1
         print(f"pdserve up: {args.prefill} prefill + {args.decode} decode ready; "
               f"send requests to {instances[-1].url}/v1", flush=True)
         while not stopping:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.serve import main
-from tests.utils import free_port, start_server
+from tests.utils import free_port, metric, start_server
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +56,15 @@ def test_chat(server, tmp_path):
     assert all(32 <= n <= 32 + 48 for n in r["input_lens"])
 
 
-def _counter(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == name
-               for s in f.samples if s.name.endswith("_total"))
-
-
 def test_warmups_reach_the_server_but_neither_the_figures_nor_its_cache(server, tmp_path):
-    tokens, hits = (_counter(server, n) for n in ("pdserve_generation_tokens",
-                                                  "pdserve_prefix_cache_hits"))
+    tokens, hits = (metric(server.url, n) for n in ("pdserve_generation_tokens_total",
+                                                    "pdserve_prefix_cache_hits_total"))
     r = _run(server, tmp_path, "--num-warmups", "3", "--seed", "7")
     assert (r["completed"], r["total_output_tokens"]) == (4, 32)
     # test prompt, warm-ups and the run all reached the engine
-    assert _counter(server, "pdserve_generation_tokens") - tokens == (1 + 3 + 4) * 8
+    assert metric(server.url, "pdserve_generation_tokens_total") - tokens == (1 + 3 + 4) * 8
     # and none of the run's prompts was one the warm-ups had left in the prefix cache
-    assert _counter(server, "pdserve_prefix_cache_hits") == hits
+    assert metric(server.url, "pdserve_prefix_cache_hits_total") == hits
 
 
 def test_unreachable_server_fails_cleanly(tmp_path):

@@ -9,9 +9,10 @@ from pdserve.engine.sampler import Sampler
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import Batch, Chunk, DecodeGroup, LlamaModel
 
-# Decodes attend in groups of similar context length, each group's gathered K/V at most this
-# many (padded) tokens: on CPU that copy then stays in cache for the attention reading it,
-# and little padding is gathered. 4096 tokens of SmolLM2 K/V are 6 MB in float32.
+# Where decodes gather K/V for torch's attention on CPU (no paged decode kernel), they go in
+# groups of similar context length, each group's copy at most this many (padded) tokens: the
+# copy then stays in cache for the attention reading it, and little padding is gathered.
+# 4096 tokens of SmolLM2 K/V are 6 MB in float32.
 CPU_DECODE_GROUP_TOKENS = 4096
 
 
@@ -21,8 +22,9 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.block_size = cache.shape.block_size
-        # Accelerators prefer one call over all decodes.
-        self.group_tokens = CPU_DECODE_GROUP_TOKENS if cache.tensor.is_cpu else None
+        # Accelerators and the paged kernel (it copies nothing) prefer one call over all.
+        gathers = cache.tensor.is_cpu and model.paged_decode is None
+        self.group_tokens = CPU_DECODE_GROUP_TOKENS if gathers else None
 
     def run(self, items: list[tuple[Request, int]]
             ) -> tuple[list[Request], list[int], list[float], list[TopLogprobs]]:

@@ -39,6 +39,13 @@ class KVCache:
     def block_bytes(self) -> int:
         return self.shape.block_bytes(self.tensor.dtype)
 
+    def token_strides(self) -> tuple[int, int]:
+        """Element strides from one token to the next within a block, and from one KV head
+        to the next."""
+        t = self.tensor
+        return (t.stride(3), t.stride(4)) if self.shape.layout == "NHD" else (t.stride(4),
+                                                                              t.stride(3))
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, dim]) at (block, offset) slots."""

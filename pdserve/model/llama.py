@@ -1,8 +1,9 @@
 """Llama-family forward (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
 One forward runs a flat batch of tokens from many sequences: the projections and MLP see
-all tokens at once; attention runs single-token queries (decodes) in groups of similar
-context length, one call per group, and each multi-token chunk (a prefill) as its own call."""
+all tokens at once; attention runs single-token queries (decodes) in groups, one call per
+group (on CPU, one kernel call reading the paged cache in place), and each multi-token
+chunk (a prefill) as its own call."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
+from pdserve.model.paged_attention import PagedDecode
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,17 +97,20 @@ class Chunk:
 @dataclass(slots=True)
 class DecodeGroup:
     """Single-token queries attended in one call: flat tokens `index` [g], reading block
-    tables [g, n]; `mask` [g, 1, 1, n * block_size] is True on each one's context."""
+    tables [g, n], `lens` [g] tokens each; `mask` [g, 1, 1, n * block_size] is True on each
+    one's context (for the gather path)."""
     index: torch.Tensor
     tables: torch.Tensor
+    lens: torch.Tensor
     mask: torch.Tensor
 
     @classmethod
     def build(cls, index: list[int], tables: torch.Tensor, lens: list[int],
               block_size: int) -> DecodeGroup:
         keys = torch.arange(tables.shape[1] * block_size)
-        mask = keys.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        return cls(torch.tensor(index), tables, mask[:, None, None, :])
+        lens_t = torch.tensor(lens)
+        mask = keys.unsqueeze(0) < lens_t.unsqueeze(1)
+        return cls(torch.tensor(index), tables, lens_t, mask[:, None, None, :])
 
 
 @dataclass(slots=True)
@@ -124,8 +129,8 @@ class Batch:
         move = {k: v.to(device, non_blocking=True) for k in self.__slots__
                 if isinstance(v := getattr(self, k), torch.Tensor)}
         chunks = [Chunk(c.start, c.end, c.pos, c.table.to(device)) for c in self.chunks]
-        decodes = [DecodeGroup(*(x.to(device, non_blocking=True) for x in (d.index, d.tables,
-                                                                            d.mask)))
+        decodes = [DecodeGroup(*(x.to(device, non_blocking=True)
+                                 for x in (d.index, d.tables, d.lens, d.mask)))
                    for d in self.decodes]
         return Batch(**{**{k: getattr(self, k) for k in self.__slots__}, **move,
                         "chunks": chunks, "decodes": decodes})
@@ -155,6 +160,8 @@ class LlamaModel:
         self.dtype = dtype
         self.all_reduce = all_reduce or (lambda t: t)
         self.gemm = gemm = Gemm.for_model(dtype, device)
+        self.paged_decode = PagedDecode.for_model(config.num_heads, config.num_kv_heads,
+                                                  config.head_dim, dtype, device)
         sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
                  config.head_dim, "v": config.num_kv_heads * config.head_dim,
                  "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
@@ -218,6 +225,9 @@ class LlamaModel:
                    batch: Batch, cache: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)
         for d in batch.decodes:
+            if self.paged_decode:
+                out[d.index] = self.paged_decode(q[d.index], cache, layer, d.tables, d.lens)
+                continue
             kc, vc = cache.gather(layer, d.tables)
             # The query heads sharing a KV head are that head's rows: GQA without expanding K/V.
             qd = q[d.index].unflatten(1, (kc.shape[1], -1))  # [g, kv_heads, group, dim]

@@ -1,0 +1,178 @@
+// Decode attention straight from the paged KV cache: one query token per sequence, its keys
+// and values read in place through the block table, so no gathered copy of K/V is made.
+// float32 arithmetic throughout (as torch's CPU attention does for bf16 inputs); written
+// with GCC vector extensions so that -march=native picks the host's widest registers.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+inline f32x16 load(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline f32x16 load(const uint16_t* p) {  // bfloat16 is the top half of a float32
+  u16x16 h; std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
+}
+inline void store(float x, float* o) { *o = x; }
+inline void store(float x, uint16_t* o) {  // round to nearest even, NaN kept quiet
+  uint32_t u; std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { *o = uint16_t((u >> 16) | 0x40); return; }
+  *o = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same order
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for x <= 0: 2^n * e^r, |r| <= ln2/2, by a degree-7 Taylor polynomial (about 1 ulp);
+// no library call, so the loop over a row of scores vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale; std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// In place over x[0, n); max and sum kept per lane (then a fixed tree), as serial scalar
+// chains they cost more than the exponentials.
+inline void softmax(float* x, int64_t n) {
+  const int64_t whole = n - n % kLanes;
+  f32x16 top = f32x16{} - INFINITY, total = f32x16{};
+  for (int64_t t = 0; t < whole; t += kLanes) {
+    const f32x16 v = load(x + t);
+    top = v > top ? v : top;
+  }
+  float m = -INFINITY;
+  for (int i = 0; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
+  for (int64_t t = whole; t < n; ++t) m = x[t] > m ? x[t] : m;
+  for (int64_t t = 0; t < n; ++t) x[t] = exp_nonpositive(x[t] - m);
+  for (int64_t t = 0; t < whole; t += kLanes) total += load(x + t);
+  float z = sum(total);
+  for (int64_t t = whole; t < n; ++t) z += x[t];
+  const float inv = 1.f / z;
+  for (int64_t t = 0; t < n; ++t) x[t] *= inv;
+}
+
+struct Layout {  // element strides of the cache, already offset to one layer's K
+  int64_t block, kv, token, head, dim;
+  int block_size;
+};
+
+// Asks for one block's rows of one head (as `base` points) ahead of their use: blocks lie
+// anywhere in the pool, which defeats the hardware's stream prefetcher at every block edge.
+template <typename T>
+inline void prefetch_block(const T* base, const Layout& s) {
+  for (int o = 0; o < s.block_size; ++o)
+    for (int64_t i = 0; i < s.dim * int64_t(sizeof(T)); i += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(base + o * s.token) + i);
+}
+
+// Calls f(t, row) for tokens t < n in order, row pointing at token t's vector in `base`:
+// block by block, so there is no division per token.
+template <typename T, typename F>
+inline void for_each_token(const T* base, const int64_t* table, int64_t n, const Layout& s, F f) {
+  for (int64_t start = 0, b = 0; start < n; start += s.block_size, ++b) {
+    const T* row = base + table[b] * s.block;
+    if (start + s.block_size < n) prefetch_block(base + table[b + 1] * s.block, s);
+    const int64_t end = start + s.block_size < n ? start + s.block_size : n;
+    for (int64_t t = start; t < end; ++t, row += s.token) f(t, row);
+  }
+}
+
+// One sequence and one KV head: its `group` query heads at `q` [group, C * 16], out alike.
+template <typename T, int C>
+void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t n,
+                 int group, const Layout& s, float scale, float* score) {
+  f32x16 qv[kMaxGroup][C], acc[kMaxGroup][C];
+  for (int g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes) * scale;
+  for_each_token(k0, table, n, s, [&](int64_t t, const T* k) {
+    f32x16 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load(k + c * kLanes);
+    for (int g = 0; g < group; ++g) {
+      f32x16 a = qv[g][0] * kv[0];
+      for (int c = 1; c < C; ++c) a += qv[g][c] * kv[c];
+      score[g * n + t] = sum(a);
+    }
+  });
+  for (int g = 0; g < group; ++g) {
+    softmax(score + g * n, n);
+    for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
+  }
+  for_each_token(k0 + s.kv, table, n, s, [&](int64_t t, const T* v) {
+    f32x16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(v + c * kLanes);
+    for (int g = 0; g < group; ++g) {
+      const float p = score[g * n + t];
+      for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
+    }
+  });
+  for (int g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < kLanes; ++i) store(acc[g][c][i], out + (g * C + c) * kLanes + i);
+}
+
+template <typename T, int C>
+void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
+            int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, const Layout& s,
+            float scale, int threads) {
+  const int group = int(heads / kv_heads);
+  const int64_t dim = C * kLanes;
+#pragma omp parallel for num_threads(threads) schedule(dynamic) collapse(2)
+  for (int64_t i = 0; i < seqs; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      thread_local std::vector<float> score;
+      score.resize(size_t(group) * lens[i]);
+      const int64_t at = (i * heads + h * group) * dim;
+      attend_head<T, C>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i], group,
+                        s, scale, score.data());
+    }
+}
+
+template <typename T>
+int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
+             int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
+             const Layout& s, float scale, int threads) {
+  if (heads % kv_heads || heads / kv_heads > kMaxGroup) return 1;
+  switch (dim) {
+    case 64: attend<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
+    case 128: attend<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+// q, out: [seqs, heads, dim]; k0: the cache at one layer's K of block 0; tables [seqs, width];
+// strides in elements. Returns nonzero for a shape it has no kernel for.
+extern "C" int pdserve_paged_decode(int bf16, const void* q, void* out, const void* k0,
+                                    const int64_t* tables, const int64_t* lens, int64_t seqs,
+                                    int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
+                                    int64_t block_size, int64_t s_block, int64_t s_kv,
+                                    int64_t s_token, int64_t s_head, float scale, int threads) {
+  const Layout s{s_block, s_kv, s_token, s_head, dim, int(block_size)};
+  if (bf16)
+    return dispatch(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out),
+                    static_cast<const uint16_t*>(k0), tables, lens, seqs, width, heads, kv_heads,
+                    dim, s, scale, threads);
+  return dispatch(static_cast<const float*>(q), static_cast<float*>(out),
+                  static_cast<const float*>(k0), tables, lens, seqs, width, heads, kv_heads, dim,
+                  s, scale, threads);
+}

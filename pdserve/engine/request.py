@@ -68,6 +68,8 @@ class Request:
     penalty_prompt_ids: Any = None  # the sampler's: its prompt's distinct ids, as a tensor
 
     def __post_init__(self) -> None:
+        if not self.prompt_token_ids:  # a step of zero tokens would fail its whole batch
+            raise ValueError(f"request {self.request_id}: the prompt has no tokens")
         self.token_ids = list(self.prompt_token_ids)
 
     @property

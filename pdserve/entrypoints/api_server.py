@@ -146,6 +146,8 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
     if body.model and body.model not in state.names:
         raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
                         "model")
+    if not ids:  # some text (a lone control character, say) has no tokens at all
+        raise HTTPError(400, "the prompt is empty once tokenized: it has no tokens")
     if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
         raise HTTPError(400, f"prompt token ids must be in [0, {state.tokenizer.vocab_size})")
     if len(ids) + max_tokens > state.max_model_len:

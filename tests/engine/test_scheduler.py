@@ -149,3 +149,9 @@ def test_engine_respects_max_num_seqs(engine_f32, prompts, monkeypatch):
         peak = max(peak, len(engine_f32.scheduler.running))
     assert peak == 2 and all(r.num_output_tokens == 4 for r in reqs)
     assert_idle(engine_f32)
+
+
+def test_a_request_without_prompt_tokens_is_refused_before_it_reaches_a_step():
+    # Scheduled, it would make a step of zero tokens and fail every request batched with it.
+    with pytest.raises(ValueError, match="no tokens"):
+        Request("empty", [], SamplingParams(max_tokens=1))

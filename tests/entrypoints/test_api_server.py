@@ -123,6 +123,7 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
     "messages of wrong type": ("chat/completions", {"messages": "hello"}, "messages"),
     "empty prompt": ("completions", {"prompt": ""}, "empty"),
     "empty token list": ("completions", {"prompt": []}, "empty"),
+    "text without tokens": ("completions", {"prompt": "\x06"}, "no tokens"),
     "no messages": ("chat/completions", {"messages": []}, "messages"),
     "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     "max_tokens -1": ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),

@@ -132,6 +132,24 @@ def decode_step_ms(engine: LLMEngine, args: argparse.Namespace, batch: int) -> f
     return statistics.median(times) * 1000
 
 
+def decode_paths(engine: LLMEngine, args: argparse.Namespace, batches: list[int]
+                 ) -> dict[str, dict[int, float]]:
+    """decode_step_ms per batch through the decode attention the engine uses and, where
+    that is the paged kernel, through the gather + torch attention fallback too: the
+    kernel's baseline, measured in the same run."""
+    model = engine.runner.model
+    kernel = model.paged_decode
+    paths = {"paged kernel": kernel, "gather + SDPA": None} if kernel else {"gather + SDPA": None}
+    steps = {}
+    try:
+        for name, path in paths.items():
+            model.paged_decode = path
+            steps[name] = {b: decode_step_ms(engine, args, b) for b in batches}
+    finally:
+        model.paged_decode = kernel
+    return steps
+
+
 def run_hf(model, w: Workload, batch_size: int) -> tuple[float, int]:
     """Seconds for HF `generate` over the workload, and the tokens it generated.
 
@@ -179,7 +197,7 @@ def _warm_up(engine: LLMEngine, hf) -> None:
 
 
 def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[float, int] | None,
-           decode: dict[int, float]) -> str:
+           decode: dict[str, dict[int, float]]) -> str:
     n = w.output_tokens
     lines = [
         f"{len(w.prompts)} sequences of random token ids (seed {args.seed}): input "
@@ -198,11 +216,18 @@ def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[flo
                   f"| **pdserve / HF** | | | **{hf_s / engine_s:.2f}x** |", "",
                   f"HF generated {hf_generated} tokens to cover the {n} requested (a batch "
                   "runs to its longest output); only the requested ones are counted."]
-    if decode:
+    if any(decode.values()):
+        names = list(decode)
         lines += ["", f"Engine decode step, {args.decode_context}-token prompts, median of "
-                      f"{args.decode_steps} steps:", "",
-                  "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
-        lines += [f"| {b} | {ms:.1f} | {b * 1000 / ms:.1f} |" for b, ms in decode.items()]
+                      f"{args.decode_steps} steps, by decode attention:", "",
+                  "| batch | " + " | ".join(f"{n} step (ms) | tokens/s" for n in names) +
+                  (" | gather / kernel |" if len(names) == 2 else " |"),
+                  "|---:|" + "---:|---:|" * len(names) + ("---:|" if len(names) == 2 else "")]
+        for b in decode[names[0]]:
+            ms = [decode[n][b] for n in names]
+            row = " | ".join(f"{m:.1f} | {b * 1000 / m:.1f}" for m in ms)
+            ratio = f" | **{ms[1] / ms[0]:.2f}x** |" if len(ms) == 2 else " |"
+            lines.append(f"| {b} | {row}{ratio}")
     return "\n".join(lines)
 
 
@@ -223,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if hf is not None:
         print(f"engine: {engine_s:.1f} s; HF transformers ...", flush=True)
         hf_result = run_hf(hf, w, args.hf_batch_size)
-    decode = {b: decode_step_ms(engine, args, b) for b in batches}
+    decode = decode_paths(engine, args, batches)
     print(report(args, w, engine_s, hf_result, decode), flush=True)
     return 0
 

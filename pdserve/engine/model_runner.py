@@ -22,9 +22,12 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.block_size = cache.shape.block_size
+
+    @property
+    def group_tokens(self) -> int | None:
         # Accelerators and the paged kernel (it copies nothing) prefer one call over all.
-        gathers = cache.tensor.is_cpu and model.paged_decode is None
-        self.group_tokens = CPU_DECODE_GROUP_TOKENS if gathers else None
+        gathers = self.cache.tensor.is_cpu and self.model.paged_decode is None
+        return CPU_DECODE_GROUP_TOKENS if gathers else None
 
     def run(self, items: list[tuple[Request, int]]
             ) -> tuple[list[Request], list[int], list[float], list[TopLogprobs]]:

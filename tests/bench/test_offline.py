@@ -28,6 +28,9 @@ def test_tiny_run_prints_both_tables(capsys):
     assert rc == 0
     assert "| pdserve LLMEngine |" in out and "| HF transformers generate (batch 2) |" in out
     assert "**pdserve / HF**" in out and "| 2 |" in out
+    # The paged decode kernel against its fallback, both timed in this run.
+    assert "paged kernel step (ms)" in out and "gather + SDPA step (ms)" in out
+    assert "gather / kernel" in out
 
 
 def test_bad_lengths_are_refused(capsys):

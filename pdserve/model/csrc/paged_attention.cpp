@@ -84,6 +84,51 @@ inline void prefetch_block(const T* base, const Layout& s) {
       __builtin_prefetch(reinterpret_cast<const char*>(base + o * s.token) + i);
 }
 
+// out[j] = sum of x[j]'s lanes, for 16 vectors at once: four rounds of pairwise halving
+// leave token j's total in lane bitreverse(j), and one shuffle puts it back in lane j.
+inline f32x16 lane_sums(const f32x16 (&x)[kLanes]) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                   10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                   24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  const f32x16 d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10,
+                                           26, 12, 28, 14, 30) +
+                   __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11,
+                                           27, 13, 29, 15, 31);
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// Scores of m <= 16 consecutive tokens (K rows at rows[j]) for each query head g, written
+// to out[g * stride + j]. qv holds the scaled queries.
+template <typename T, int C>
+inline void score_tokens(const f32x16 (&qv)[kMaxGroup][C], int group, const T* const* rows,
+                         int m, float* out, int64_t stride) {
+  f32x16 k[kLanes][C];
+  for (int j = 0; j < kLanes; ++j)
+    for (int c = 0; c < C; ++c) k[j][c] = j < m ? load(rows[j] + c * kLanes) : f32x16{};
+  for (int g = 0; g < group; ++g) {
+    f32x16 part[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      part[j] = qv[g][0] * k[j][0];
+      for (int c = 1; c < C; ++c) part[j] += qv[g][c] * k[j][c];
+    }
+    const f32x16 sums = lane_sums(part);
+    for (int j = 0; j < m; ++j) out[g * stride + j] = sums[j];
+  }
+}
+
 // Calls f(t, row) for tokens t < n in order, row pointing at token t's vector in `base`:
 // block by block, so there is no division per token.
 template <typename T, typename F>
@@ -103,15 +148,19 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
   f32x16 qv[kMaxGroup][C], acc[kMaxGroup][C];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes) * scale;
-  for_each_token(k0, table, n, s, [&](int64_t t, const T* k) {
-    f32x16 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load(k + c * kLanes);
-    for (int g = 0; g < group; ++g) {
-      f32x16 a = qv[g][0] * kv[0];
-      for (int c = 1; c < C; ++c) a += qv[g][c] * kv[c];
-      score[g * n + t] = sum(a);
-    }
+  const T* rows[kLanes];  // scores go 16 tokens at a time: one lane_sums, not 16 sums
+  int m = 0;
+  int64_t first = 0;
+  auto flush = [&] {
+    score_tokens<T, C>(qv, group, rows, m, score + first, n);
+    first += m;
+    m = 0;
+  };
+  for_each_token(k0, table, n, s, [&](int64_t, const T* k) {
+    rows[m++] = k;
+    if (m == kLanes) flush();
   });
+  if (m) flush();
   for (int g = 0; g < group; ++g) {
     softmax(score + g * n, n);
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
 from pdserve.model.paged_attention import PagedDecode
@@ -160,6 +161,7 @@ class LlamaModel:
         self.dtype = dtype
         self.all_reduce = all_reduce or (lambda t: t)
         self.gemm = gemm = Gemm.for_model(dtype, device)
+        self.ops = Elementwise.for_model(dtype, device)
         self.paged_decode = PagedDecode.for_model(config.num_heads, config.num_kv_heads,
                                                   config.head_dim, dtype, device)
         sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
@@ -206,7 +208,7 @@ class LlamaModel:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         linear = self.gemm
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.ln1, c.rms_norm_eps)
+            x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             # q and k side by side are one [T, heads + kv_heads, dim] view: one rotation.
             qk = _rope(qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads,
@@ -215,10 +217,10 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
-            x = _rms_norm(h, layer.ln2, c.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, -1)
-            h = h + self.all_reduce(linear(F.silu(gate) * up, layer.down))
-        h = _rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
+            x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
+            h = h + self.all_reduce(linear(self.ops.silu_mul(linear(x, layer.gate_up)),
+                                           layer.down))
+        h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -248,12 +250,6 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
         return out.flatten(1)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.llama import DecodeGroup
-from pdserve.model.paged_attention import PagedDecode, _build
+from pdserve.model.paged_attention import PagedDecode
 
 BS = 16
 # Lengths under one block, exactly one, one past a block edge, and several blocks.
@@ -86,9 +86,3 @@ def test_declines_what_it_has_no_variant_for():
     assert PagedDecode.for_model(32, 1, 64, torch.float32, "cpu") is None  # group of 32
     assert PagedDecode.for_model(9, 3, 64, torch.float32, "meta") is None
 
-
-def test_without_a_compiler_there_is_no_kernel(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CXX", "no-such-compiler")
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    assert _build() is None
-    assert "no C++ compiler" in caplog.text

@@ -1,54 +1,15 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, its keys
 // and values read in place through the block table, so no gathered copy of K/V is made.
-// float32 arithmetic throughout (as torch's CPU attention does for bf16 inputs); written
-// with GCC vector extensions so that -march=native picks the host's widest registers.
+// float32 arithmetic throughout, as torch's CPU attention does for bf16 inputs.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+using namespace pdserve;
 constexpr int kMaxGroup = 16;  // query heads per KV head
-
-inline f32x16 load(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline f32x16 load(const uint16_t* p) {  // bfloat16 is the top half of a float32
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
-}
-inline void store(float x, float* o) { *o = x; }
-inline void store(float x, uint16_t* o) {  // round to nearest even, NaN kept quiet
-  uint32_t u; std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *o = uint16_t((u >> 16) | 0x40); return; }
-  *o = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same order
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// e^x for x <= 0: 2^n * e^r, |r| <= ln2/2, by a degree-7 Taylor polynomial (about 1 ulp);
-// no library call, so the loop over a row of scores vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.f / 5040;
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale; std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 // In place over x[0, n); max and sum kept per lane (then a fixed tree), as serial scalar
 // chains they cost more than the exponentials.
@@ -62,7 +23,7 @@ inline void softmax(float* x, int64_t n) {
   float m = -INFINITY;
   for (int i = 0; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
   for (int64_t t = whole; t < n; ++t) m = x[t] > m ? x[t] : m;
-  for (int64_t t = 0; t < n; ++t) x[t] = exp_nonpositive(x[t] - m);
+  for (int64_t t = 0; t < n; ++t) x[t] = exp_approx(x[t] - m);
   for (int64_t t = 0; t < whole; t += kLanes) total += load(x + t);
   float z = sum(total);
   for (int64_t t = whole; t < n; ++t) z += x[t];

@@ -1,0 +1,107 @@
+// Vector helpers shared by pdserve's CPU kernels: GCC vector extensions, so that
+// -march=native picks the host's widest registers; bfloat16 handled as its raw bits.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+
+namespace pdserve {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline f32x16 load(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline f32x16 load(const uint16_t* p) {  // bfloat16 is the top half of a float32
+  u16x16 h; std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
+}
+inline void store(float x, float* o) { *o = x; }
+inline void store(float x, uint16_t* o) {  // round to nearest even, NaN kept quiet
+  uint32_t u; std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { *o = uint16_t((u >> 16) | 0x40); return; }
+  *o = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline void store(f32x16 v, float* o) { std::memcpy(o, &v, sizeof v); }
+inline void store(f32x16 v, uint16_t* o) {  // 16 at once, rounded as the scalar store()
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof u);
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 quiet = (u >> 16) | 0x40u;
+  const u16x16 h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded,
+                                           u16x16);
+  std::memcpy(o, &h, sizeof h);
+}
+
+// Rounds x to T and back, as storing to T and loading would (in registers).
+template <typename T>
+inline f32x16 round_to(f32x16 x);
+template <>
+inline f32x16 round_to<float>(f32x16 x) { return x; }
+template <>
+inline f32x16 round_to<uint16_t>(f32x16 x) {
+  u32x16 u;
+  std::memcpy(&u, &x, sizeof u);
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const u32x16 quiet = (u & 0xffff0000u) | 0x400000u;
+  u = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+  f32x16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// exp_approx below, 16 lanes at once (the same arithmetic, so the same results).
+inline f32x16 exp_approx(f32x16 x) {
+  const auto overflow = x > 88.72f;
+  x = x < -87.f ? f32x16{} - 87.f : x;
+  x = overflow ? f32x16{} : x;
+  const f32x16 shifter = f32x16{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to integer
+  const f32x16 n = (x * 1.44269504f + shifter) - shifter;
+  const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  f32x16 p = f32x16{} + 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return overflow ? f32x16{} + INFINITY : p * scale;
+}
+
+inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same order
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for any x, 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor polynomial (about 1 ulp);
+// no library call, so loops over it vectorize. Below -87 it stays at e^-87; past 88.72, inf.
+inline float exp_approx(float x) {
+  if (x > 88.72f) return INFINITY;  // past FLT_MAX, as expf
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to integer
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace pdserve

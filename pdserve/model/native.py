@@ -1,0 +1,78 @@
+"""pdserve's C++ kernels for CPU (csrc/): built into one library with the host's C++
+compiler on first use, cached under the pdserve cache folder, called through ctypes (which
+releases the GIL for the call). Where they cannot be built (no compiler), `library()` is
+None, with a warning, and callers keep their torch paths."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+from pdserve.model.loader import cache_dir
+
+log = logging.getLogger("pdserve.model")
+CSRC = Path(__file__).with_name("csrc")
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
+    "pdserve_paged_decode": (_INT, [_INT, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 10, _F32,
+                                    _INT]),
+    "pdserve_rms_norm": (None, [_INT, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
+    "pdserve_silu_mul": (None, [_INT, _PTR, _PTR, _I64, _I64, _INT]),
+}
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, (result, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = result, args
+    return lib
+
+
+def _build() -> Path | None:
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        log.warning("no C++ compiler (g++ or $CXX) on PATH: pdserve's CPU kernels are off; "
+                    "decode attention gathers K/V for torch's attention instead")
+        return None
+    sources = sorted(CSRC.glob("*.cpp"))
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")  # GCC's default stops at 256 bits
+    # -march=native: the binary is this CPU's, so its features are part of the key.
+    parts = [p.read_bytes() for p in sorted(CSRC.iterdir())]
+    key = hashlib.sha256(b"\0".join([*parts, cxx.encode(), " ".join(flags).encode(),
+                                     _cpu_features().encode()])).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"pdserve-kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # concurrent starts each build, one wins
+    done = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(tmp)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        log.warning("building pdserve's CPU kernels failed; torch paths are used "
+                    "instead:\n%s", done.stderr[-2000:])
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, out)
+    return out
+
+
+def _cpu_features() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")

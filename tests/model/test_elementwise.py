@@ -1,0 +1,48 @@
+"""The CPU element-wise kernels against the torch formulas they replace (HF's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model.elementwise import Elementwise
+
+TORCH = Elementwise(None)
+
+
+def _kernels(dtype: torch.dtype) -> Elementwise:
+    ops = Elementwise.for_model(dtype, "cpu")
+    assert ops.lib is not None, "the kernels did not build (is g++ on PATH?)"
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512])
+@pytest.mark.parametrize("dim", [576, 100])  # 100: a width that is not a multiple of 16
+def test_rms_norm(rows, dim):
+    g = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=g) * 3
+    w = torch.rand(dim, generator=g) + 0.5
+    # bf16: the same roundings at the same places, so the same bits.
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(_kernels(torch.bfloat16).rms_norm(xb, wb, 1e-5),
+                       TORCH.rms_norm(xb, wb, 1e-5))
+    # float32: only the sum of squares is added in another order.
+    torch.testing.assert_close(_kernels(torch.float32).rms_norm(x, w, 1e-5),
+                               TORCH.rms_norm(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 512])
+@pytest.mark.parametrize("dim", [1536, 40])
+def test_silu_mul(rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    gate_up = torch.randn(rows, 2 * dim, generator=g) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's saturation and zero
+    gb = gate_up.bfloat16()
+    assert torch.equal(_kernels(torch.bfloat16).silu_mul(gb), TORCH.silu_mul(gb))
+    torch.testing.assert_close(_kernels(torch.float32).silu_mul(gate_up),
+                               TORCH.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_accelerators_keep_torch():
+    assert Elementwise.for_model(torch.float32, "meta").lib is None
+    assert Elementwise.for_model(torch.float16, "cpu").lib is None

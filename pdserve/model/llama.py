@@ -227,7 +227,7 @@ class LlamaModel:
                    batch: Batch, cache: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)
         for d in batch.decodes:
-            if self.paged_decode:
+            if self.paged_decode is not None:
                 out[d.index] = self.paged_decode(q[d.index], cache, layer, d.tables, d.lens)
                 continue
             kc, vc = cache.gather(layer, d.tables)

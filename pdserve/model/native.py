@@ -30,10 +30,14 @@ SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
 
 @cache
 def library() -> ctypes.CDLL | None:
-    path = _build()
-    if path is None:
+    try:
+        path = _build()
+        lib = None if path is None else ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, a hung compiler
+        log.warning("pdserve's CPU kernels are off (%s); torch paths are used instead", e)
         return None
-    lib = ctypes.CDLL(str(path))
+    if lib is None:
+        return None
     for name, (result, args) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = result, args
@@ -60,7 +64,7 @@ def _build() -> Path | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")  # concurrent starts each build, one wins
     done = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(tmp)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=600)
     if done.returncode:
         log.warning("building pdserve's CPU kernels failed; torch paths are used "
                     "instead:\n%s", done.stderr[-2000:])

@@ -19,3 +19,19 @@ def test_without_a_compiler_there_are_no_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert native._build() is None
     assert "no C++ compiler" in caplog.text
+
+
+def test_an_unwritable_cache_turns_the_kernels_off_not_the_server(monkeypatch, tmp_path,
+                                                                   caplog):
+    (tmp_path / "file").write_text("")  # a cache folder below a file cannot be made
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    assert native.library.__wrapped__() is None  # past functools.cache
+    assert "CPU kernels are off" in caplog.text
+
+
+def test_a_failing_compiler_turns_the_kernels_off(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", "false")  # runs, exits 1
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert native._build() is None
+    assert "building pdserve's CPU kernels failed" in caplog.text
+    assert not list((tmp_path / "kernels").iterdir())  # no half-built library left

@@ -13,8 +13,6 @@ import torch.nn.functional as F
 
 from pdserve.model import native
 
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}
-
 
 @dataclass(frozen=True, slots=True)
 class Elementwise:
@@ -22,7 +20,7 @@ class Elementwise:
 
     @classmethod
     def for_model(cls, dtype: torch.dtype, device: torch.device | str) -> Elementwise:
-        fits = torch.device(device).type == "cpu" and dtype in DTYPES
+        fits = torch.device(device).type == "cpu" and dtype in native.DTYPES
         return cls(native.library() if fits else None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +28,7 @@ class Elementwise:
             return rms_norm(x, weight, eps)
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.lib.pdserve_rms_norm(DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(),
+        self.lib.pdserve_rms_norm(native.DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(),
                                   out.data_ptr(), x.shape[0], x.shape[1], eps,
                                   torch.get_num_threads())
         return out
@@ -43,8 +41,8 @@ class Elementwise:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self.lib.pdserve_silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
-                                  rows, width // 2, torch.get_num_threads())
+        self.lib.pdserve_silu_mul(native.DTYPES[gate_up.dtype], gate_up.data_ptr(),
+                                  out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
 

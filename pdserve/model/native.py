@@ -15,10 +15,13 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from pdserve.model.loader import cache_dir
 
 log = logging.getLogger("pdserve.model")
 CSRC = Path(__file__).with_name("csrc")
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernels' dtypes, as their `bf16` flag
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
     "pdserve_paged_decode": (_INT, [_INT, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 10, _F32,
@@ -50,12 +53,12 @@ def _build() -> Path | None:
         log.warning("no C++ compiler (g++ or $CXX) on PATH: pdserve's CPU kernels are off; "
                     "decode attention gathers K/V for torch's attention instead")
         return None
-    sources = sorted(CSRC.glob("*.cpp"))
+    sources, headers = sorted(CSRC.glob("*.cpp")), sorted(CSRC.glob("*.h"))
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")  # GCC's default stops at 256 bits
     # -march=native: the binary is this CPU's, so its features are part of the key.
-    parts = [p.read_bytes() for p in sorted(CSRC.iterdir())]
+    parts = [p.read_bytes() for p in sources + headers]
     key = hashlib.sha256(b"\0".join([*parts, cxx.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode()])).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"pdserve-kernels-{key}.so"

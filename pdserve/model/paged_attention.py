@@ -17,7 +17,6 @@ from pdserve.model.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128)  # the kernel's instantiations
 MAX_GROUP = 16  # query heads per KV head
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +27,7 @@ class PagedDecode:
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device | str) -> PagedDecode | None:
         """The kernel where it fits this model on this device, else None."""
-        fits = (torch.device(device).type == "cpu" and dtype in DTYPES
+        fits = (torch.device(device).type == "cpu" and dtype in native.DTYPES
                 and head_dim in HEAD_DIMS and num_heads // num_kv_heads <= MAX_GROUP)
         lib = native.library() if fits else None
         return cls(lib.pdserve_paged_decode) if lib else None
@@ -42,7 +41,7 @@ class PagedDecode:
         t = cache.tensor
         token, head = cache.token_strides()
         seqs, heads, dim = q.shape
-        rc = self.run(DTYPES[t.dtype], q.data_ptr(), out.data_ptr(),
+        rc = self.run(native.DTYPES[t.dtype], q.data_ptr(), out.data_ptr(),
                       t.data_ptr() + layer * t.stride(1) * t.element_size(),
                       tables.data_ptr(), lens.data_ptr(), seqs, tables.shape[1], heads,
                       cache.shape.num_kv_heads, dim, cache.shape.block_size, t.stride(0),

@@ -10,6 +10,19 @@
 namespace {
 using namespace pdserve;
 
+// f(i, m) for each run of m <= 16 elements from i, over [0, dim).
+template <typename F>
+inline void for_chunks(int64_t dim, F f) {
+  for (int64_t i = 0; i < dim; i += kLanes) f(i, dim - i < kLanes ? dim - i : kLanes);
+}
+
+template <typename T>
+inline f32x16 load_n(const T* p, int64_t m) { return m == kLanes ? load(p) : load_partial(p, m); }
+template <typename T>
+inline void store_n(f32x16 v, T* o, int64_t m) {
+  if (m == kLanes) store(v, o); else store_partial(v, o, m);
+}
+
 template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps,
               int threads) {
@@ -17,22 +30,15 @@ void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float e
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
     T* o = out + r * dim;
-    const int64_t whole = dim - dim % kLanes;
     f32x16 acc = {};
-    for (int64_t i = 0; i < whole; i += kLanes) {
-      const f32x16 v = load(xr + i);
+    for_chunks(dim, [&](int64_t i, int64_t m) {
+      const f32x16 v = load_n(xr + i, m);
       acc += v * v;
-    }
-    float squares = sum(acc);
-    for (int64_t i = whole; i < dim; ++i) squares += to_float(xr[i]) * to_float(xr[i]);
-    const float inv = 1.f / std::sqrt(squares / float(dim) + eps);
-    for (int64_t i = 0; i < whole; i += kLanes)
-      store(load(w + i) * round_to<T>(load(xr + i) * inv), o + i);
-    for (int64_t i = whole; i < dim; ++i) {
-      T normed;
-      store(to_float(xr[i]) * inv, &normed);
-      store(to_float(w[i]) * to_float(normed), o + i);
-    }
+    });
+    const float inv = 1.f / std::sqrt(sum(acc) / float(dim) + eps);
+    for_chunks(dim, [&](int64_t i, int64_t m) {
+      store_n(load_n(w + i, m) * round_to<T>(load_n(xr + i, m) * inv), o + i, m);
+    });
   }
 }
 
@@ -43,17 +49,10 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads) 
     const T* g = gate_up + r * 2 * dim;
     const T* u = g + dim;
     T* o = out + r * dim;
-    const int64_t whole = dim - dim % kLanes;
-    for (int64_t i = 0; i < whole; i += kLanes) {
-      const f32x16 x = load(g + i);
-      store(round_to<T>(x / (1.f + exp_approx(f32x16{} - x))) * load(u + i), o + i);
-    }
-    for (int64_t i = whole; i < dim; ++i) {
-      const float x = to_float(g[i]);
-      T silu;
-      store(x / (1.f + exp_approx(-x)), &silu);
-      store(to_float(silu) * to_float(u[i]), o + i);
-    }
+    for_chunks(dim, [&](int64_t i, int64_t m) {
+      const f32x16 x = load_n(g + i, m);
+      store_n(round_to<T>(x / (1.f + exp_approx(f32x16{} - x))) * load_n(u + i, m), o + i, m);
+    });
   }
 }
 

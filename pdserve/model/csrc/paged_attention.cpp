@@ -11,23 +11,27 @@ namespace {
 using namespace pdserve;
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
-// In place over x[0, n); max and sum kept per lane (then a fixed tree), as serial scalar
-// chains they cost more than the exponentials.
+// In place over x[0, n); max and sum kept per lane, then a fixed tree.
 inline void softmax(float* x, int64_t n) {
-  const int64_t whole = n - n % kLanes;
-  f32x16 top = f32x16{} - INFINITY, total = f32x16{};
-  for (int64_t t = 0; t < whole; t += kLanes) {
-    const f32x16 v = load(x + t);
+  f32x16 top = f32x16{} - INFINITY, total = {};
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const f32x16 v = t + kLanes <= n ? load(x + t) : load_partial(x + t, n - t, -INFINITY);
     top = v > top ? v : top;
   }
   float m = -INFINITY;
   for (int i = 0; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
-  for (int64_t t = whole; t < n; ++t) m = x[t] > m ? x[t] : m;
-  for (int64_t t = 0; t < n; ++t) x[t] = exp_approx(x[t] - m);
-  for (int64_t t = 0; t < whole; t += kLanes) total += load(x + t);
-  float z = sum(total);
-  for (int64_t t = whole; t < n; ++t) z += x[t];
-  const float inv = 1.f / z;
+  for (int64_t t = 0; t < n; t += kLanes) {
+    if (t + kLanes <= n) {
+      const f32x16 e = exp_approx(load(x + t) - m);
+      store(e, x + t);
+      total += e;
+    } else {  // past n, lanes of zero: e^-87 there is neither stored nor counted
+      const f32x16 e = exp_approx(load_partial(x + t, n - t) - m);
+      store_partial(e, x + t, n - t);
+      total += load_partial(x + t, n - t);
+    }
+  }
+  const float inv = 1.f / sum(total);
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
 
@@ -135,8 +139,7 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
     }
   });
   for (int g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c)
-      for (int i = 0; i < kLanes; ++i) store(acc[g][c][i], out + (g * C + c) * kLanes + i);
+    for (int c = 0; c < C; ++c) store(acc[g][c], out + (g * C + c) * kLanes);
 }
 
 template <typename T, int C>

@@ -19,27 +19,10 @@ inline f32x16 load(const uint16_t* p) {  // bfloat16 is the top half of a float3
   u32x16 w = __builtin_convertvector(h, u32x16) << 16;
   f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
 }
-inline void store(float x, float* o) { *o = x; }
-inline void store(float x, uint16_t* o) {  // round to nearest even, NaN kept quiet
-  uint32_t u; std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *o = uint16_t((u >> 16) | 0x40); return; }
-  *o = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline void store(f32x16 v, float* o) { std::memcpy(o, &v, sizeof v); }
-inline void store(f32x16 v, uint16_t* o) {  // 16 at once, rounded as the scalar store()
-  u32x16 u;
-  std::memcpy(&u, &v, sizeof u);
-  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u32x16 quiet = (u >> 16) | 0x40u;
-  const u16x16 h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded,
-                                           u16x16);
-  std::memcpy(o, &h, sizeof h);
-}
-
-// Rounds x to T and back, as storing to T and loading would (in registers).
+// Rounds x to T and back, as storing to T and loading would (in registers): bfloat16 to
+// nearest even, NaN kept quiet.
 template <typename T>
 inline f32x16 round_to(f32x16 x);
 template <>
@@ -56,7 +39,33 @@ inline f32x16 round_to<uint16_t>(f32x16 x) {
   return v;
 }
 
-// exp_approx below, 16 lanes at once (the same arithmetic, so the same results).
+inline void store(f32x16 v, float* o) { std::memcpy(o, &v, sizeof v); }
+inline void store(f32x16 v, uint16_t* o) {
+  u32x16 u;
+  const f32x16 r = round_to<uint16_t>(v);
+  std::memcpy(&u, &r, sizeof u);
+  const u16x16 h = __builtin_convertvector(u >> 16, u16x16);
+  std::memcpy(o, &h, sizeof h);
+}
+
+// The first m < 16 elements at p, the other lanes `pad`; and the first m lanes stored:
+// a row's tail goes through the same vector code as its body.
+template <typename T>
+inline f32x16 load_partial(const T* p, int64_t m, float pad = 0.f) {
+  T tmp[kLanes];
+  store(f32x16{} + pad, tmp);
+  std::memcpy(tmp, p, m * sizeof(T));
+  return load(tmp);
+}
+template <typename T>
+inline void store_partial(f32x16 v, T* o, int64_t m) {
+  T tmp[kLanes];
+  store(v, tmp);
+  std::memcpy(o, tmp, m * sizeof(T));
+}
+
+// e^x, 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor polynomial (about 1 ulp), with no
+// library call. Below -87 it stays at e^-87; past 88.72, inf (as expf).
 inline f32x16 exp_approx(f32x16 x) {
   const auto overflow = x > 88.72f;
   x = x < -87.f ? f32x16{} - 87.f : x;
@@ -79,29 +88,6 @@ inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same ord
             __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// e^x for any x, 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor polynomial (about 1 ulp);
-// no library call, so loops over it vectorize. Below -87 it stays at e^-87; past 88.72, inf.
-inline float exp_approx(float x) {
-  if (x > 88.72f) return INFINITY;  // past FLT_MAX, as expf
-  x = x < -87.f ? -87.f : x;
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to integer
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.f / 5040;
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 }  // namespace pdserve

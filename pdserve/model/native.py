@@ -35,11 +35,11 @@ SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
 def library() -> ctypes.CDLL | None:
     try:
         path = _build()
-        lib = None if path is None else ctypes.CDLL(str(path))
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, a hung compiler
         log.warning("pdserve's CPU kernels are off (%s); torch paths are used instead", e)
-        return None
-    if lib is None:
         return None
     for name, (result, args) in SIGNATURES.items():
         fn = getattr(lib, name)

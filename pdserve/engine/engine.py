@@ -18,7 +18,7 @@ from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Schedule, Scheduler
 from pdserve.engine.tensor_parallel import (
     TPGroup,
     TPModel,
@@ -151,18 +151,25 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.connector.poll() if self.connector is not None else []
+        outputs: list[RequestOutput] = []
+        if self.connector is not None:
+            outputs += self.connector.poll()
+            # Pulls start before the schedule: one that lands at once joins this step.
+            outputs += self._admitted(self.scheduler.admit_loads())
         sched = self.scheduler.schedule()
-        self.metrics.preemptions.inc(len(sched.preempted))
-        self.metrics.prefix_queries.inc(sched.cache_queries)
-        self.metrics.prefix_hits.inc(sched.cache_hits)
-        if sched.to_load:
-            outputs += self.connector.start_load(sched.to_load)
+        outputs += self._admitted(sched)
         if sched.items:
             outputs += self._run(sched.items)
         self.last_step_computed = bool(sched.items)
         self._update_gauges()
         return outputs
+
+    def _admitted(self, sched: Schedule) -> list[RequestOutput]:
+        """Count what a schedule did; start the pulls of the requests it admitted."""
+        self.metrics.preemptions.inc(len(sched.preempted))
+        self.metrics.prefix_queries.inc(sched.cache_queries)
+        self.metrics.prefix_hits.inc(sched.cache_hits)
+        return self.connector.start_load(sched.to_load) if sched.to_load else []
 
     def _run(self, items: list[tuple[Request, int]]) -> list[RequestOutput]:
         for req, n in items:

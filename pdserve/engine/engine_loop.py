@@ -50,7 +50,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            outputs = self._drain_inbox()
+            if early := self._drain_inbox():  # a remote prefill's first token goes out now
+                self.deliver(early)
+            outputs: list[RequestOutput] = []
             computed = False
             if self.engine.has_work() or self._connector_busy():
                 try:

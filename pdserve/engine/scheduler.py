@@ -53,27 +53,42 @@ class Scheduler:
             budget -= n
             i += 1
         while self.waiting and budget > 0 and self._slots_left():
-            req = self.waiting[0]
-            hit = self._take_cached_prefix(req)
-            n = 0 if req.load_remote else self._num_new(req, budget)
-            if not self._grow(req, req.num_prompt_tokens if req.load_remote
-                              else req.num_computed_tokens + n):
-                self._drop_cached_prefix(req, hit)
+            if (n := self._admit(self.waiting[0], budget, out)) is None:
                 break
-            self.waiting.popleft()
-            if hit >= 0:
-                out.cache_queries += len(req.token_ids)
-                out.cache_hits += req.num_cached_tokens
-            if req.load_remote:
-                req.status = Status.WAITING_FOR_REMOTE_KV
-                self.loading[req.request_id] = req
-                out.to_load.append(req)
-                continue
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.items.append((req, n))
             budget -= n
         return out
+
+    def admit_loads(self) -> Schedule:
+        """Admit the remote-KV requests at the head of the queue now (they need blocks and a
+        slot, no compute), so their pulls can land before the step is scheduled."""
+        out = Schedule()
+        while self.waiting and self.waiting[0].load_remote and self._slots_left() and \
+                self._admit(self.waiting[0], 0, out) is not None:
+            pass
+        return out
+
+    def _admit(self, req: Request, budget: int, out: Schedule) -> int | None:
+        """Move the queue's head to running (or loading); the tokens it spends, or None
+        if its blocks do not fit."""
+        hit = self._take_cached_prefix(req)
+        n = 0 if req.load_remote else self._num_new(req, budget)
+        if not self._grow(req, req.num_prompt_tokens if req.load_remote
+                          else req.num_computed_tokens + n):
+            self._drop_cached_prefix(req, hit)
+            return None
+        self.waiting.popleft()
+        if hit >= 0:
+            out.cache_queries += len(req.token_ids)
+            out.cache_hits += req.num_cached_tokens
+        if req.load_remote:
+            req.status = Status.WAITING_FOR_REMOTE_KV
+            self.loading[req.request_id] = req
+            out.to_load.append(req)
+            return 0
+        req.status = Status.RUNNING
+        self.running.append(req)
+        out.items.append((req, n))
+        return n
 
     def cache_computed(self, req: Request) -> None:
         """Offer the request's newly computed full blocks to the prefix cache."""

@@ -26,6 +26,9 @@ log = logging.getLogger("pdserve.kv_transfer")
 # Fault injection for tests, off unless set: the decode waits this long (blocking its engine
 # thread) between the handshake and posting a READ, a window to kill the prefill mid-pull.
 FAULT_TRANSFER_DELAY_S = float(os.environ.get("PDSERVE_FAULT_TRANSFER_DELAY_S") or 0)
+# How long the engine waits for a READ it just posted before stepping without it: longer
+# than a pull on one host takes, short against a decode step the running requests wait on.
+READ_WAIT_S = 0.002
 
 
 @dataclass(slots=True)
@@ -91,11 +94,20 @@ class PDConnector:
         return int(first), float(p.get("first_token_logprob") or 0.0), top
 
     def start_load(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Post the READs of requests just given blocks, and wait a moment for them: on one
+        host a READ lands in well under a millisecond, and its request then runs in the
+        step about to start instead of a whole step later."""
         outputs: list[RequestOutput] = []
-        for req in reqs:
-            pull = self.pulls[req.request_id]
-            if pull.peer is not None:
-                self._start_read(pull, outputs)
+        started = [p for r in reqs if (p := self.pulls[r.request_id]).peer is not None]
+        for pull in started:
+            self._start_read(pull, outputs)
+        deadline = time.monotonic() + READ_WAIT_S
+        while (reading := [p for p in started if p.handle is not None]) and \
+                time.monotonic() < deadline:
+            time.sleep(READ_WAIT_S / 20)  # the core goes to NIXL's progress thread
+            now = time.monotonic()
+            for pull in reading:
+                self._check_read(pull, now, outputs)
         return outputs
 
     def on_finish(self, req: Request, was_loading: bool) -> bool:

@@ -85,6 +85,7 @@ def test_max_num_seqs_caps_the_running_set():
     assert len(s.running) == 2 and [r.status for r in reqs[2:]] == [Status.RUNNING,
                                                                      Status.WAITING]
 
+
 def test_admit_loads_takes_remote_kv_requests_at_the_head_only():
     s = _scheduler(100, max_num_seqs=3)
     remote = [_add(s, f"p{i}", 40) for i in range(2)]
@@ -100,7 +101,6 @@ def test_admit_loads_takes_remote_kv_requests_at_the_head_only():
     assert _items(_step(s)) == {"local": 10}  # max_num_seqs: late still waits
     s.loaded(remote[0], ok=True)
     assert s.admit_loads().to_load == [] and list(s.waiting) == [late]
-
 
 
 # -- the engine ------------------------------------------------------------------------------

@@ -29,6 +29,14 @@ def test_greedy_is_argmax_with_its_logprob():
     assert logprobs == pytest.approx(want.tolist(), abs=1e-5)
 
 
+def test_greedy_takes_the_first_of_equal_maxima():
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [7, 3, 900]] = 1.0
+    logits[1, [500, 2]] = 5.0
+    tokens, _, _ = Sampler().sample(logits, _reqs(3, temperature=0.0))
+    assert tokens == [3, 2, 0]
+
+
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}],
                          ids=["top_k=1", "top_p=1e-6"])
 def test_truncation_to_one_token_is_greedy(params):

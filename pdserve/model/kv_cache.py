@@ -46,6 +46,14 @@ class KVCache:
         return (t.stride(3), t.stride(4)) if self.shape.layout == "NHD" else (t.stride(4),
                                                                               t.stride(3))
 
+    def layer_slots(self, layer: int) -> tuple[int, int, int, int, int]:
+        """For the CPU kernels: the address of `layer`'s K in block 0, and the element
+        strides from block to block, K to V, token to token and KV head to KV head."""
+        t = self.tensor
+        token, head = self.token_strides()
+        return (t.data_ptr() + layer * t.stride(1) * t.element_size(), t.stride(0), t.stride(2),
+                token, head)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, dim]) at (block, offset) slots."""

@@ -203,19 +203,14 @@ class LlamaModel:
         """Run the batch, store its K/V in `cache`, return float32 logits [B, vocab]."""
         c = self.config
         h = self.embed[batch.input_ids]
-        cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[batch.positions].to(self.dtype).unsqueeze(1)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        cos = self.cos[batch.positions].to(self.dtype)
+        sin = self.sin[batch.positions].to(self.dtype)
         linear = self.gemm
         for i, layer in enumerate(self.layers):
             x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
-            # q and k side by side are one [T, heads + kv_heads, dim] view: one rotation.
-            qk = _rope(qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads,
-                                                      c.head_dim), cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], 1)
-            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-            cache.write(i, k, v, batch.slot_blocks, batch.slot_offsets)
+            q, k, v = self.ops.rope_store(linear(x, layer.qkv, layer.qkv_bias), c.num_heads,
+                                          cos, sin, cache, i, batch.slot_blocks,
+                                          batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
             x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
             h = h + self.all_reduce(linear(self.ops.silu_mul(linear(x, layer.gate_up)),
@@ -250,12 +245,6 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
         return out.flatten(1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE; `sin` carries rotate_half's sign in its first half (see
-    _rope_table), so the rotation is one roll."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

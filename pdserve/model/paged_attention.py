@@ -38,14 +38,12 @@ class PagedDecode:
         cached tokens of block table row i; returns [seqs, heads, dim]."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        t = cache.tensor
-        token, head = cache.token_strides()
+        k0, block, kv, token, head = cache.layer_slots(layer)
         seqs, heads, dim = q.shape
-        rc = self.run(native.DTYPES[t.dtype], q.data_ptr(), out.data_ptr(),
-                      t.data_ptr() + layer * t.stride(1) * t.element_size(),
+        rc = self.run(native.DTYPES[cache.tensor.dtype], q.data_ptr(), out.data_ptr(), k0,
                       tables.data_ptr(), lens.data_ptr(), seqs, tables.shape[1], heads,
-                      cache.shape.num_kv_heads, dim, cache.shape.block_size, t.stride(0),
-                      t.stride(2), token, head, dim ** -0.5, torch.get_num_threads())
+                      cache.shape.num_kv_heads, dim, cache.shape.block_size, block, kv, token,
+                      head, dim ** -0.5, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"paged decode kernel has no variant for {heads} heads, "
                                f"{cache.shape.num_kv_heads} KV heads, head_dim {dim}")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdserve.model.elementwise import Elementwise
+from pdserve.model.kv_cache import KVCache, KVShape
 
 TORCH = Elementwise(None)
 
@@ -46,3 +47,32 @@ def test_silu_mul(rows, dim):
 def test_accelerators_keep_torch():
     assert Elementwise.for_model(torch.float32, "meta").lib is None
     assert Elementwise.for_model(torch.float16, "cpu").lib is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "tokens"),
+                         [(9, 3, 64, 5), (4, 2, 40, 300)])  # 40: a half that is not 16-wide
+def test_rope_store(dtype, layout, heads, kv_heads, dim, tokens):
+    """bf16: the same bits as torch's rotation and cache write, in place and in the cache;
+    float32: a product may be fused into the sum (one rounding fewer)."""
+    g = torch.Generator().manual_seed(tokens + dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    slots = torch.randperm(32 * 16, generator=g)[:tokens]  # scattered, one token each
+    blocks, offsets = slots // 16, slots % 16
+    out = []
+    for ops in (_kernels(dtype), TORCH):
+        cache = KVCache(KVShape(2, kv_heads, dim, 16, layout), 32, dtype)
+        x = qkv.clone()
+        q, k, v = ops.rope_store(x, heads, cos, sin, cache, 1, blocks, offsets)
+        assert q.shape == (tokens, heads, dim) and k.shape == v.shape == (tokens, kv_heads, dim)
+        out.append((x, cache.tensor))
+    for got, want in zip(out[0], out[1], strict=True):  # qkv, then the cache
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert out[0][1][:, 1].abs().sum() > 0 and not out[0][1][:, 0].any()  # layer 1 only

@@ -1,9 +1,11 @@
 // Row-wise RMSNorm and the SiLU-gated product of the MLP, one pass over memory each, where
-// torch's bfloat16 ops take eight passes (the norm) and three (silu, multiply). Results are
+// torch's bfloat16 ops take eight passes (the norm) and three (silu, multiply); and RoPE with
+// the K/V cache write, one call per layer for what took torch a dozen small ops. Results are
 // rounded where HF's formulas round: the normalised row to the input dtype before the
-// weight, silu(gate) before the product.
+// weight, silu(gate) before the product, each product and sum of the rotation.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec.h"
 
@@ -56,6 +58,45 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads) 
   }
 }
 
+// a * c + b * s, each product and the sum rounded to T as torch's ops round them (float32
+// may fuse a product into the add: a rounding fewer than torch).
+template <typename T>
+inline f32x16 rotate(f32x16 a, f32x16 b, f32x16 c, f32x16 s) {
+  return round_to<T>(round_to<T>(a * c) + round_to<T>(b * s));
+}
+
+struct CacheSlots {  // element strides of the cache from one layer's K of block 0
+  int64_t block, kv, token, head;
+};
+
+template <typename T>
+void rope_store(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t heads,
+                int64_t kv_heads, int64_t dim, T* k0, const int64_t* blocks,
+                const int64_t* offsets, CacheSlots s, int threads) {
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for num_threads(threads) if (tokens * width >= (1 << 16))
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = qkv + t * width;
+    const T* c = cos + t * dim;
+    const T* sn = sin + t * dim;
+    for (int64_t r = 0; r < heads + kv_heads; ++r) {  // q heads, then k heads
+      T* x = row + r * dim;
+      for_chunks(half, [&](int64_t i, int64_t m) {  // x = x * cos + roll(x, half) * sin
+        const f32x16 lo = load_n(x + i, m), hi = load_n(x + half + i, m);
+        store_n(rotate<T>(lo, hi, load_n(c + i, m), load_n(sn + i, m)), x + i, m);
+        store_n(rotate<T>(hi, lo, load_n(c + half + i, m), load_n(sn + half + i, m)),
+                x + half + i, m);
+      });
+    }
+    T* slot = k0 + blocks[t] * s.block + offsets[t] * s.token;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(slot + h * s.head, row + (heads + h) * dim, dim * sizeof(T));
+      std::memcpy(slot + s.kv + h * s.head, row + (heads + kv_heads + h) * dim,
+                  dim * sizeof(T));
+    }
+  }
+}
+
 }  // namespace
 
 // x, out: [rows, dim]; w: [dim]. out = w * dtype(x * rsqrt(mean(x^2) + eps)).
@@ -77,4 +118,23 @@ extern "C" void pdserve_silu_mul(int bf16, const void* gate_up, void* out, int64
              threads);
   else
     silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, dim, threads);
+}
+
+// qkv: [tokens, (heads + 2 * kv_heads) * dim], q and k rotated in place; cos, sin: [tokens,
+// dim]; k0: the cache at one layer's K of block 0; token t's K/V go to block blocks[t], slot
+// offsets[t]. Strides in elements.
+extern "C" void pdserve_rope_store(int bf16, void* qkv, const void* cos, const void* sin,
+                                   int64_t tokens, int64_t heads, int64_t kv_heads,
+                                   int64_t dim, void* k0, const int64_t* blocks,
+                                   const int64_t* offsets, int64_t s_block, int64_t s_kv,
+                                   int64_t s_token, int64_t s_head, int threads) {
+  const CacheSlots s{s_block, s_kv, s_token, s_head};
+  if (bf16)
+    rope_store(static_cast<uint16_t*>(qkv), static_cast<const uint16_t*>(cos),
+               static_cast<const uint16_t*>(sin), tokens, heads, kv_heads, dim,
+               static_cast<uint16_t*>(k0), blocks, offsets, s, threads);
+  else
+    rope_store(static_cast<float*>(qkv), static_cast<const float*>(cos),
+               static_cast<const float*>(sin), tokens, heads, kv_heads, dim,
+               static_cast<float*>(k0), blocks, offsets, s, threads);
 }

@@ -60,6 +60,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-context", type=int, default=128,
                    help="prompt tokens per sequence in the decode timing")
     p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--prefill-lens", default="512",
+                   help="prompt lengths for the lone-prefill timing ('' to skip)")
+    p.add_argument("--prefill-runs", type=int, default=5)
     return p.parse_args(argv)
 
 
@@ -82,17 +85,19 @@ def _decode_tokens(args: argparse.Namespace, batch: int) -> int:
     return prefill_steps + args.decode_steps + 4
 
 
-def build_engine(args: argparse.Namespace, w: Workload, batches: list[int]) -> LLMEngine:
+def build_engine(args: argparse.Namespace, w: Workload, batches: list[int],
+                 prefills: list[int]) -> LLMEngine:
     # A pool for every sequence at once (as nano-vllm sizes it), so no run preempts.
     need = sum(_blocks(len(p) + o) for p, o in zip(w.prompts, w.output_lens, strict=True))
     decode_len = args.decode_context + _decode_tokens(args, max(batches, default=0))
-    decode_need = max(batches, default=0) * _blocks(decode_len)
+    decode_need = max(max(batches, default=0) * _blocks(decode_len),
+                      _blocks(max(prefills, default=0) + 1))
     max_len = max(len(p) + o for p, o in zip(w.prompts, w.output_lens, strict=True))
     seqs = args.max_num_seqs or max(args.num_seqs, *batches, 1)
     return LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(max_len, decode_len, 2048), seed=args.seed))
+        max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed))
 
 
 def run_engine(engine: LLMEngine, w: Workload, tag: str = "seq") -> float:
@@ -132,22 +137,39 @@ def decode_step_ms(engine: LLMEngine, args: argparse.Namespace, batch: int) -> f
     return statistics.median(times) * 1000
 
 
-def decode_paths(engine: LLMEngine, args: argparse.Namespace, batches: list[int]
-                 ) -> dict[str, dict[int, float]]:
-    """decode_step_ms per batch through the decode attention the engine uses and, where
-    that is the paged kernel, through the gather + torch attention fallback too: the
-    kernel's baseline, measured in the same run."""
+def prefill_ms(engine: LLMEngine, args: argparse.Namespace, tokens: int) -> float:
+    """Median time to prefill a lone prompt of `tokens` tokens (new ones each time: no
+    prefix-cache hits) and sample its first token."""
+    rng = random.Random(tokens)
+    times = []
+    for i in range(args.prefill_runs):
+        req = Request(f"prefill{tokens}-{i}", [rng.randint(0, MAX_TOKEN_ID)
+                                               for _ in range(tokens)],
+                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(req)
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def attention_paths(engine: LLMEngine, measure, sizes: list[int]
+                    ) -> dict[str, dict[int, float]]:
+    """measure(size) for each size through the attention the engine uses and, where that
+    is the paged kernels, through the gather + torch attention fallback too: the kernels'
+    baseline, measured in the same run."""
     model = engine.runner.model
-    kernel = model.paged_decode
-    paths = {"paged kernel": kernel, "gather + SDPA": None} if kernel else {"gather + SDPA": None}
-    steps = {}
+    kernel = model.paged
+    paths = {"paged kernel": kernel, "torch": None} if kernel else {"torch": None}
+    times = {}
     try:
         for name, path in paths.items():
-            model.paged_decode = path
-            steps[name] = {b: decode_step_ms(engine, args, b) for b in batches}
+            model.paged = path
+            times[name] = {n: measure(n) for n in sizes}
     finally:
-        model.paged_decode = kernel
-    return steps
+        model.paged = kernel
+    return times
 
 
 def run_hf(model, w: Workload, batch_size: int) -> tuple[float, int]:
@@ -197,7 +219,7 @@ def _warm_up(engine: LLMEngine, hf) -> None:
 
 
 def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[float, int] | None,
-           decode: dict[str, dict[int, float]]) -> str:
+           decode: dict[str, dict[int, float]], prefill: dict[str, dict[int, float]]) -> str:
     n = w.output_tokens
     lines = [
         f"{len(w.prompts)} sequences of random token ids (seed {args.seed}): input "
@@ -216,19 +238,31 @@ def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[flo
                   f"| **pdserve / HF** | | | **{hf_s / engine_s:.2f}x** |", "",
                   f"HF generated {hf_generated} tokens to cover the {n} requested (a batch "
                   "runs to its longest output); only the requested ones are counted."]
-    if any(decode.values()):
-        names = list(decode)
-        lines += ["", f"Engine decode step, {args.decode_context}-token prompts, median of "
-                      f"{args.decode_steps} steps, by decode attention:", "",
-                  "| batch | " + " | ".join(f"{n} step (ms) | tokens/s" for n in names) +
-                  (" | gather / kernel |" if len(names) == 2 else " |"),
-                  "|---:|" + "---:|---:|" * len(names) + ("---:|" if len(names) == 2 else "")]
-        for b in decode[names[0]]:
-            ms = [decode[n][b] for n in names]
-            row = " | ".join(f"{m:.1f} | {b * 1000 / m:.1f}" for m in ms)
-            ratio = f" | **{ms[1] / ms[0]:.2f}x** |" if len(ms) == 2 else " |"
-            lines.append(f"| {b} | {row}{ratio}")
+    lines += _path_table(decode, f"Engine decode step, {args.decode_context}-token prompts, "
+                         f"median of {args.decode_steps} steps, by attention:", "batch", "step")
+    lines += _path_table(prefill, f"Engine prefill of a lone prompt (first token), median of "
+                         f"{args.prefill_runs}, by attention:", "prompt tokens", "prefill")
     return "\n".join(lines)
+
+
+def _path_table(times: dict[str, dict[int, float]], title: str, size: str, what: str
+                ) -> list[str]:
+    """Rows of times[path][size] ms (and tokens/s per decode step) with the torch / kernel
+    ratio where both paths ran."""
+    if not any(times.values()):
+        return []
+    names = list(times)
+    rate = " | tokens/s" if what == "step" else ""
+    lines = ["", title, "", f"| {size} | " + " | ".join(f"{n} {what} (ms){rate}" for n in names)
+             + (" | torch / kernel |" if len(names) == 2 else " |"),
+             "|---:|" + ("---:|" * (2 if rate else 1)) * len(names)
+             + ("---:|" if len(names) == 2 else "")]
+    for n in times[names[0]]:
+        ms = [times[p][n] for p in names]
+        cells = " | ".join(f"{m:.1f}" + (f" | {n * 1000 / m:.1f}" if rate else "") for m in ms)
+        ratio = f" | **{ms[1] / ms[0]:.2f}x** |" if len(ms) == 2 else " |"
+        lines.append(f"| {n} | {cells}{ratio}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     batches = [int(b) for b in args.decode_batches.split(",") if b.strip()]
+    prefills = [int(n) for n in args.prefill_lens.split(",") if n.strip()]
     w = make_workload(args)
-    engine = build_engine(args, w, batches)
+    engine = build_engine(args, w, batches, prefills)
     hf = None if args.skip_hf else load_hf(args)
     _warm_up(engine, hf)
     print(f"engine: {len(w.prompts)} sequences, {w.output_tokens} output tokens ...", flush=True)
@@ -248,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     if hf is not None:
         print(f"engine: {engine_s:.1f} s; HF transformers ...", flush=True)
         hf_result = run_hf(hf, w, args.hf_batch_size)
-    decode = decode_paths(engine, args, batches)
-    print(report(args, w, engine_s, hf_result, decode), flush=True)
+    decode = attention_paths(engine, lambda b: decode_step_ms(engine, args, b), batches)
+    prefill = attention_paths(engine, lambda n: prefill_ms(engine, args, n), prefills)
+    print(report(args, w, engine_s, hf_result, decode, prefill), flush=True)
     return 0
 
 

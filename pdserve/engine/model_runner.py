@@ -26,7 +26,7 @@ class ModelRunner:
     @property
     def group_tokens(self) -> int | None:
         # Accelerators and the paged kernel (it copies nothing) prefer one call over all.
-        gathers = self.cache.tensor.is_cpu and self.model.paged_decode is None
+        gathers = self.cache.tensor.is_cpu and self.model.paged is None
         return CPU_DECODE_GROUP_TOKENS if gathers else None
 
     def run(self, items: list[tuple[Request, int]]

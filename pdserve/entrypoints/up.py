@@ -175,13 +175,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _start(inst: Instance) -> None:
     def pre() -> None:
-        os.setsid()  # own process group, so stopping it takes any children along
         if inst.cpus:
             os.sched_setaffinity(0, inst.cpus)
         if inst.nice:
             os.nice(inst.nice)
 
-    inst.proc = subprocess.Popen(inst.argv, env={**os.environ, **inst.env}, preexec_fn=pre)
+    # Its own process group, so stopping it takes any children along. Not its own session:
+    # Linux gives each session a scheduling autogroup, and a nice value ranks a process only
+    # inside its autogroup, so a prefill's nice would not yield to a decode's threads.
+    inst.proc = subprocess.Popen(inst.argv, env={**os.environ, **inst.env}, preexec_fn=pre,
+                                 process_group=0, stdin=subprocess.DEVNULL)
     log.info("started %s (pid %d) at %s", inst.name, inst.proc.pid, inst.url)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
-from pdserve.model.paged_attention import PagedDecode
+from pdserve.model.paged_attention import PagedAttention
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,8 +162,8 @@ class LlamaModel:
         self.all_reduce = all_reduce or (lambda t: t)
         self.gemm = gemm = Gemm.for_model(dtype, device)
         self.ops = Elementwise.for_model(dtype, device)
-        self.paged_decode = PagedDecode.for_model(config.num_heads, config.num_kv_heads,
-                                                  config.head_dim, dtype, device)
+        self.paged = PagedAttention.for_model(config.num_heads, config.num_kv_heads,
+                                              config.head_dim, dtype, device)
         sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
                  config.head_dim, "v": config.num_kv_heads * config.head_dim,
                  "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
@@ -222,8 +222,8 @@ class LlamaModel:
                    batch: Batch, cache: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)
         for d in batch.decodes:
-            if self.paged_decode is not None:
-                out[d.index] = self.paged_decode(q[d.index], cache, layer, d.tables, d.lens)
+            if self.paged is not None:
+                out[d.index] = self.paged.decode(q[d.index], cache, layer, d.tables, d.lens)
                 continue
             kc, vc = cache.gather(layer, d.tables)
             # The query heads sharing a KV head are that head's rows: GQA without expanding K/V.
@@ -231,6 +231,10 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=d.mask)
             out[d.index] = o.flatten(1, 2)
         for ch in batch.chunks:
+            if self.paged is not None:
+                self.paged.chunk(q[ch.start:ch.end], out[ch.start:ch.end], cache, layer,
+                                 ch.table, ch.pos)
+                continue
             qc = q[ch.start:ch.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if ch.pos == 0:  # nothing cached before this chunk: attend to its own K/V
                 kc = k[ch.start:ch.end].transpose(0, 1).unsqueeze(0)

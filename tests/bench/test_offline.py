@@ -23,14 +23,16 @@ def test_left_pad_aligns_prompts_right():
 def test_tiny_run_prints_both_tables(capsys):
     rc = offline.main(["--num-seqs", "3", "--min-input", "8", "--max-input", "20",
                        "--min-output", "2", "--max-output", "5", "--hf-batch-size", "2",
-                       "--decode-batches", "1,2", "--decode-steps", "2"])
+                       "--decode-batches", "1,2", "--decode-steps", "2",
+                       "--prefill-lens", "40", "--prefill-runs", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "| pdserve LLMEngine |" in out and "| HF transformers generate (batch 2) |" in out
     assert "**pdserve / HF**" in out and "| 2 |" in out
-    # The paged decode kernel against its fallback, both timed in this run.
-    assert "paged kernel step (ms)" in out and "gather + SDPA step (ms)" in out
-    assert "gather / kernel" in out
+    # The paged attention kernels against their fallback, both timed in this run.
+    assert "paged kernel step (ms)" in out and "torch step (ms)" in out
+    assert "paged kernel prefill (ms)" in out and "| 40 |" in out
+    assert out.count("torch / kernel") == 2
 
 
 def test_bad_lengths_are_refused(capsys):

@@ -41,3 +41,17 @@ def test_the_proxy_runs_on_the_prefills_cores_never_on_a_decodes(monkeypatch):
     assert insts["proxy"].cpus == {0, 1, 2, 3}
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0})
     assert {i.name: i.cpus for i in up.plan(args, [])}["proxy"] is None
+
+
+def test_instances_get_a_process_group_of_their_own_in_ups_session():
+    """A group, so that stopping an instance takes its children; up's session (not a new
+    one), so that Linux's per-session autogroups leave an instance's nice in effect."""
+    inst = up.Instance("sleeper", ["sleep", "30"], "", {}, nice=3)
+    up._start(inst)
+    try:
+        pid = inst.proc.pid
+        assert os.getpgid(pid) == pid and os.getsid(pid) == os.getsid(0)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 3
+    finally:
+        up._stop_all([inst], 5)
+    assert inst.proc.returncode is not None

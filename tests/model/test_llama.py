@@ -67,16 +67,16 @@ def _forward(model, cache: KVCache, ids: list[int], start: int, table: list[int]
     return model.forward(batch, cache)
 
 
-@pytest.mark.parametrize("decode_path", ["paged kernel", "gather"])
+@pytest.mark.parametrize("attention", ["paged kernels", "gather"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_logits_match_hf(engine_f32, hf_model, prompts, layout, decode_path, monkeypatch):
+def test_logits_match_hf(engine_f32, hf_model, prompts, layout, attention, monkeypatch):
     """Per-token logits within atol 1e-3 (measured max abs diff ~5e-5) over all three
-    attention paths: a first chunk, a chunk after cached tokens, and decodes (through the
-    paged kernel, and through the gather + torch attention fallback)."""
+    attention cases: a first chunk, a chunk after cached tokens, and decodes (through the
+    paged kernels, and through the gather + torch attention fallbacks)."""
     model, ids = engine_f32.runner.model, prompts[4][:90]
-    assert model.paged_decode is not None
-    if decode_path == "gather":
-        monkeypatch.setattr(model, "paged_decode", None)
+    assert model.paged is not None
+    if attention == "gather":
+        monkeypatch.setattr(model, "paged", None)
     cache = KVCache(engine_f32.model_config.kv_shape(16, layout), 12, torch.float32)
     table = [7, 2, 10, 0, 5, 9]  # scattered blocks catch block-table mistakes
     logits = [_forward(model, cache, ids[:40], 0, table, decode=False),

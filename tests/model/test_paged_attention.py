@@ -1,4 +1,5 @@
-"""The paged decode kernel against the gather + torch attention path it replaces."""
+"""The paged attention kernels (decode and chunk) against the gather + torch attention paths
+they replace."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.llama import DecodeGroup
-from pdserve.model.paged_attention import PagedDecode
+from pdserve.model.paged_attention import PagedAttention
 
 BS = 16
 # Lengths under one block, exactly one, one past a block edge, and several blocks.
@@ -42,11 +43,11 @@ def _reference(q, cache: KVCache, layer: int, group: DecodeGroup) -> torch.Tenso
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (16, 1, 64)])
 def test_matches_attention_float32(layout, heads, kv_heads, dim):
-    kernel = PagedDecode.for_model(heads, kv_heads, dim, torch.float32, "cpu")
+    kernel = PagedAttention.for_model(heads, kv_heads, dim, torch.float32, "cpu")
     assert kernel is not None, "the kernel did not build (is g++ on PATH?)"
     cache, group, q = _case(layout, torch.float32, heads, kv_heads, dim)
     for layer in range(3):
-        got = kernel(q, cache, layer, group.tables, group.lens)
+        got = kernel.decode(q, cache, layer, group.tables, group.lens)
         torch.testing.assert_close(got, _reference(q, cache, layer, group), atol=2e-6, rtol=1e-5)
 
 
@@ -54,9 +55,9 @@ def test_matches_attention_float32(layout, heads, kv_heads, dim):
 def test_bfloat16_within_one_rounding_of_exact(layout):
     """bf16 in, float32 inside, bf16 out: off from float32 attention of the same bf16
     inputs by at most the output's rounding (half a bf16 ulp, plus float32 noise)."""
-    kernel = PagedDecode.for_model(9, 3, 64, torch.bfloat16, "cpu")
+    kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, group, q = _case(layout, torch.bfloat16, 9, 3, 64)
-    got = kernel(q, cache, 1, group.tables, group.lens).float()
+    got = kernel.decode(q, cache, 1, group.tables, group.lens).float()
     want = _reference(q, cache, 1, group)
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
     assert ((got - want).abs() <= 0.5 * ulp + 1e-6).all()
@@ -65,24 +66,102 @@ def test_bfloat16_within_one_rounding_of_exact(layout):
 def test_results_do_not_depend_on_threads_or_batch():
     """Each (sequence, KV head) is one thread's work in a fixed order: a sequence's output
     is bit-identical alone or batched, on one thread or two (monolithic = disaggregated)."""
-    kernel = PagedDecode.for_model(9, 3, 64, torch.bfloat16, "cpu")
+    kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, group, q = _case("NHD", torch.bfloat16, 9, 3, 64)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        both = kernel(q, cache, 0, group.tables, group.lens)
+        both = kernel.decode(q, cache, 0, group.tables, group.lens)
         torch.set_num_threads(1)
-        one = kernel(q, cache, 0, group.tables, group.lens)
+        one = kernel.decode(q, cache, 0, group.tables, group.lens)
     finally:
         torch.set_num_threads(threads)
-    alone = kernel(q[4:5], cache, 0, group.tables[4:5], group.lens[4:5])
+    alone = kernel.decode(q[4:5], cache, 0, group.tables[4:5], group.lens[4:5])
     assert torch.equal(both, one)
     assert torch.equal(alone, one[4:5])
 
 
 def test_declines_what_it_has_no_variant_for():
-    assert PagedDecode.for_model(9, 3, 80, torch.float32, "cpu") is None  # head_dim 80
-    assert PagedDecode.for_model(9, 3, 64, torch.float16, "cpu") is None
-    assert PagedDecode.for_model(32, 1, 64, torch.float32, "cpu") is None  # group of 32
-    assert PagedDecode.for_model(9, 3, 64, torch.float32, "meta") is None
+    assert PagedAttention.for_model(9, 3, 80, torch.float32, "cpu") is None  # head_dim 80
+    assert PagedAttention.for_model(9, 3, 64, torch.float16, "cpu") is None
+    assert PagedAttention.for_model(32, 1, 64, torch.float32, "cpu") is None  # group of 32
+    assert PagedAttention.for_model(9, 3, 64, torch.float32, "meta") is None
 
+
+
+def _chunk_case(layout: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                keys: int = 301):
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(KVShape(2, kv_heads, dim, BS, layout), 32, dtype)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=g))
+    table = torch.randperm(32, generator=g)[:-(-keys // BS)].unsqueeze(0)
+    q = torch.randn(keys, heads, dim, generator=g).to(dtype)
+    return cache, table, q
+
+
+def _chunk_reference(q, cache: KVCache, layer: int, table, pos: int) -> torch.Tensor:
+    """Causal attention of q (the tokens at pos, pos + 1, ...) by torch, in float32."""
+    n = q.shape[0]
+    kc, vc = (x[:, :, :pos + n].float() for x in cache.gather(layer, table))
+    keys = torch.arange(pos + n)
+    mask = keys.unsqueeze(0) <= keys[pos:].unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1).unsqueeze(0), kc, vc,
+                                       attn_mask=mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+# A whole prompt; a chunk after cached tokens starting mid-block and mid-tile; one token.
+CHUNKS = [(0, 301), (37, 264), (300, 1)]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (16, 1, 64)])
+def test_chunk_matches_causal_attention_float32(layout, heads, kv_heads, dim):
+    kernel = PagedAttention.for_model(heads, kv_heads, dim, torch.float32, "cpu")
+    cache, table, q = _chunk_case(layout, torch.float32, heads, kv_heads, dim)
+    for pos, n in CHUNKS:
+        out = torch.full_like(q[pos:pos + n], float("nan"))
+        kernel.chunk(q[pos:pos + n], out, cache, 1, table, pos)
+        torch.testing.assert_close(out, _chunk_reference(q[pos:pos + n], cache, 1, table, pos),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_chunk_bfloat16_within_one_rounding_of_exact():
+    kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
+    cache, table, q = _chunk_case("NHD", torch.bfloat16, 9, 3, 64)
+    out = torch.empty_like(q)
+    kernel.chunk(q, out, cache, 0, table, 0)
+    want = _chunk_reference(q, cache, 0, table, 0)
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
+    assert ((out.float() - want).abs() <= 0.5 * ulp + 1e-6).all()
+
+
+def test_chunk_results_do_not_depend_on_chunking_or_threads():
+    """A prompt computed in one chunk, in several (chunked prefill, a prefix-cache hit), or
+    on another thread count gives bit-identical outputs: monolithic = disaggregated."""
+    kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
+    cache, table, q = _chunk_case("HND", torch.bfloat16, 9, 3, 64)
+    whole, pieces = torch.empty_like(q), torch.empty_like(q)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        kernel.chunk(q, whole, cache, 0, table, 0)
+        torch.set_num_threads(1)
+        for start, end in [(0, 5), (5, 16), (16, 150), (150, 151), (151, 301)]:
+            kernel.chunk(q[start:end], pieces[start:end], cache, 0, table, start)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, pieces)
+
+
+def test_chunk_reads_queries_and_writes_outputs_as_row_slices():
+    """The model passes q as a view into the fused qkv projection and out as rows of the
+    whole batch's output: strided rows in, other rows untouched."""
+    kernel = PagedAttention.for_model(9, 3, 64, torch.float32, "cpu")
+    cache, table, q = _chunk_case("NHD", torch.float32, 9, 3, 64, keys=40)
+    qkv = torch.cat([q, torch.randn(40, 6, 64)], 1)  # q heads first, as in the model
+    out = torch.zeros(50, 9, 64)
+    kernel.chunk(qkv[:, :9], out[10:], cache, 0, table, 0)
+    assert torch.equal(out[:10], torch.zeros(10, 9, 64))
+    torch.testing.assert_close(out[10:], _chunk_reference(q, cache, 0, table, 0),
+                               atol=2e-6, rtol=1e-5)

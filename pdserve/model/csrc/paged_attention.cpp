@@ -1,6 +1,6 @@
-// Decode attention straight from the paged KV cache: one query token per sequence, its keys
-// and values read in place through the block table, so no gathered copy of K/V is made.
-// float32 arithmetic throughout, as torch's CPU attention does for bf16 inputs.
+// Attention straight from the paged KV cache, through the block table, with no gathered
+// copy of K/V: decodes (one query token per sequence) and chunks (a prefill's queries of one
+// sequence, causal). float32 arithmetic throughout, as torch's CPU attention does for bf16.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -171,6 +171,181 @@ int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64
   }
 }
 
+// ---- chunks: a prefill's query tokens of one sequence, each attending to the keys up to
+// its own position
+
+// The keys 16 at a time, float32: K transposed to [group][dim][16 keys] (a query's scores for
+// 16 keys are then `dim` multiply-adds of whole vectors) and V as [key][dim]. Every query
+// tile of a KV head reads all of them, so they are converted once per call, not per tile.
+template <typename T>
+void stage_keys(const T* k0, const int64_t* table, int64_t keys, int64_t dim, const Layout& s,
+                int64_t h, int64_t group, float* kt, float* vf) {
+  for (int64_t j = group * kLanes; j < (group + 1) * kLanes; ++j) {
+    const int64_t t = j % kLanes;
+    float* v = vf + j * dim;
+    if (j >= keys) {  // past the last key: zeros, masked out of every score
+      for (int64_t d = 0; d < dim; ++d) kt[(group * dim + d) * kLanes + t] = v[d] = 0.f;
+      continue;
+    }
+    const T* k = k0 + table[j / s.block_size] * s.block + h * s.head +
+                 j % s.block_size * s.token;
+    for (int64_t d = 0; d < dim; ++d) kt[(group * dim + d) * kLanes + t] = to_float(k[d]);
+    for (int64_t d = 0; d < dim; d += kLanes) store(load(k + s.kv + d), v + d);
+  }
+}
+
+inline float max_lanes(f32x16 x) {  // a tree, like sum()
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = lo > hi ? lo : hi;
+  const f32x4 b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  const f32x4 b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = b0 > b1 ? b0 : b1;
+  return std::fmax(std::fmax(b[0], b[2]), std::fmax(b[1], b[3]));
+}
+
+// Loaded once for several multiply-adds: left to itself GCC folds the load into each of them,
+// and the loads, not the multiply-adds, then bound the loops.
+inline void in_register(f32x16& x) { asm("" : "+v"(x)); }
+
+constexpr int kSpan = 4;  // 16-key groups per softmax update: 64 keys share its fixed costs
+
+// The running softmax state of R query rows of one head: max, sum, unnormalised output.
+template <int C, int R>
+struct Rows {
+  float q[R][C * kLanes], p[R][kSpan * kLanes], m[R], l[R];
+  f32x16 o[R][C];
+};
+
+// Folds NG groups of 16 keys, from group g, into the rows' state; `last` is the rows' final
+// group, where keys past each row's own position are masked out.
+template <int C, int R, int NG>
+inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
+                      int64_t first) {
+  constexpr int64_t dim = C * kLanes;
+  f32x16 sc[R][NG] = {};
+  for (int64_t d = 0; d < dim; ++d)
+    for (int j = 0; j < NG; ++j) {
+      f32x16 k = load(kt + ((g + j) * dim + d) * kLanes);
+      in_register(k);
+      for (int r = 0; r < R; ++r) sc[r][j] += st.q[r][d] * k;
+    }
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int r = 0; r < R; ++r) {
+    const auto valid = lane <= float(first + r - last * kLanes);  // used in the last group
+    f32x16 top = f32x16{} - INFINITY, total = {};
+    for (int j = 0; j < NG; ++j) {
+      if (g + j == last) sc[r][j] = valid ? sc[r][j] : f32x16{} - INFINITY;
+      top = sc[r][j] > top ? sc[r][j] : top;
+    }
+    const float m = std::fmax(max_lanes(top), st.m[r]);
+    for (int j = 0; j < NG; ++j) {
+      const f32x16 e = exp_approx(sc[r][j] - m);
+      const f32x16 p = g + j == last ? (valid ? e : f32x16{}) : e;
+      store(p, st.p[r] + j * kLanes);
+      total += p;
+    }
+    if (m != st.m[r]) {  // a new maximum: rescale what was summed so far
+      const float alpha = exp_approx(f32x16{} + (st.m[r] - m))[0];
+      st.l[r] *= alpha;
+      for (int c = 0; c < C; ++c) st.o[r][c] *= alpha;
+      st.m[r] = m;
+    }
+    st.l[r] += sum(total);
+  }
+  f32x16 o[R][C];  // in registers for the loop (V's floats could alias st.o for the compiler)
+  std::memcpy(o, st.o, sizeof o);
+  for (int t = 0; t < NG * kLanes; ++t) {
+    f32x16 v[C];
+    for (int c = 0; c < C; ++c) {
+      v[c] = load(vf + (g * kLanes + t) * dim + c * kLanes);
+      in_register(v[c]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) o[r][c] += st.p[r][t] * v[c];
+  }
+  std::memcpy(st.o, o, sizeof o);
+}
+
+// R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
+// tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
+// spans start at fixed multiples of kSpan groups: each row's arithmetic is the same whatever
+// chunk or tile it comes in (a prompt computed in one chunk or several gives bit-identical
+// results). `rows` < R at a chunk's edges.
+template <typename T, int C, int R>
+void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const float* kt,
+                 const float* vf, int64_t first, int rows, float scale) {
+  Rows<C, R> st;
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      const f32x16 x = r < rows ? load(q + r * q_stride + c * kLanes) * scale : f32x16{};
+      store(x, st.q[r] + c * kLanes);
+      st.o[r][c] = f32x16{};
+    }
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.f;
+  }
+  const int64_t last = first / kLanes;
+  for (int64_t g = 0; g <= last; g += kSpan) {
+    switch (last - g + 1 < kSpan ? int(last - g + 1) : kSpan) {
+      case 1: fold_span<C, R, 1>(st, kt, vf, g, last, first); break;
+      case 2: fold_span<C, R, 2>(st, kt, vf, g, last, first); break;
+      case 3: fold_span<C, R, 3>(st, kt, vf, g, last, first); break;
+      default: fold_span<C, R, kSpan>(st, kt, vf, g, last, first);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < C; ++c)
+      store(st.o[r][c] * (1.f / st.l[r]), out + r * out_stride + c * kLanes);
+}
+
+template <typename T, int C>
+void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, const T* k0,
+                  const int64_t* table, int64_t n, int64_t pos, int64_t heads,
+                  int64_t kv_heads, const Layout& s, float scale, int threads) {
+  constexpr int R = 16 / C;  // O's accumulators fill half the vector registers
+  constexpr int64_t dim = C * kLanes;
+  const int64_t keys = pos + n, groups = (keys + kLanes - 1) / kLanes, group = heads / kv_heads;
+  const int64_t first_tile = pos / R, tiles = (keys + R - 1) / R - first_tile;
+  thread_local std::vector<float> staged;
+  staged.resize(size_t(2 * kv_heads * groups * kLanes * dim));
+  float* kt = staged.data();
+  float* vf = kt + kv_heads * groups * kLanes * dim;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for collapse(2)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < groups; ++g)
+        stage_keys(k0, table, keys, dim, s, h, g, kt + h * groups * kLanes * dim,
+                   vf + h * groups * kLanes * dim);
+#pragma omp for schedule(dynamic) collapse(2)
+    for (int64_t i = tiles - 1; i >= 0; --i)  // the longest rows first: better balance
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const int64_t start = (first_tile + i) * R > pos ? (first_tile + i) * R : pos;
+        const int64_t end = (first_tile + i + 1) * R < keys ? (first_tile + i + 1) * R : keys;
+        const int64_t row = start - pos, h = hq / group;
+        attend_rows<T, C, R>(q + row * q_stride + hq * dim, q_stride,
+                             out + row * out_stride + hq * dim, out_stride,
+                             kt + h * groups * kLanes * dim, vf + h * groups * kLanes * dim,
+                             start, int(end - start), scale);
+      }
+  }
+}
+
+template <typename T>
+int dispatch_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, const T* k0,
+                   const int64_t* table, int64_t n, int64_t pos, int64_t heads,
+                   int64_t kv_heads, int64_t dim, const Layout& s, float scale, int threads) {
+  if (heads % kv_heads) return 1;
+  switch (dim) {
+    case 64: attend_chunk<T, 4>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, scale, threads); return 0;
+    case 128: attend_chunk<T, 8>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, scale, threads); return 0;
+    default: return 1;
+  }
+}
+
 }  // namespace
 
 // q, out: [seqs, heads, dim]; k0: the cache at one layer's K of block 0; tables [seqs, width];
@@ -188,4 +363,23 @@ extern "C" int pdserve_paged_decode(int bf16, const void* q, void* out, const vo
   return dispatch(static_cast<const float*>(q), static_cast<float*>(out),
                   static_cast<const float*>(k0), tables, lens, seqs, width, heads, kv_heads, dim,
                   s, scale, threads);
+}
+
+// q [n, heads, dim] and out alike, rows `q_stride` and `out_stride` elements apart: the n query
+// tokens of one sequence at positions pos, pos + 1, ..., whose K/V are already in the cache;
+// token i attends to the first pos + i + 1 tokens of block table `table`.
+extern "C" int pdserve_paged_chunk(int bf16, const void* q, int64_t q_stride, void* out,
+                                   int64_t out_stride, const void* k0, const int64_t* table,
+                                   int64_t n, int64_t pos, int64_t heads, int64_t kv_heads,
+                                   int64_t dim, int64_t block_size, int64_t s_block,
+                                   int64_t s_kv, int64_t s_token, int64_t s_head, float scale,
+                                   int threads) {
+  const Layout s{s_block, s_kv, s_token, s_head, dim, int(block_size)};
+  if (bf16)
+    return dispatch_chunk(static_cast<const uint16_t*>(q), q_stride, static_cast<uint16_t*>(out),
+                          out_stride, static_cast<const uint16_t*>(k0), table, n, pos, heads,
+                          kv_heads, dim, s, scale, threads);
+  return dispatch_chunk(static_cast<const float*>(q), q_stride, static_cast<float*>(out),
+                        out_stride, static_cast<const float*>(k0), table, n, pos, heads,
+                        kv_heads, dim, s, scale, threads);
 }

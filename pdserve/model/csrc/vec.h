@@ -19,6 +19,11 @@ inline f32x16 load(const uint16_t* p) {  // bfloat16 is the top half of a float3
   u32x16 w = __builtin_convertvector(h, u32x16) << 16;
   f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
 }
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f; std::memcpy(&f, &u, sizeof f); return f;
+}
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // Rounds x to T and back, as storing to T and loading would (in registers): bfloat16 to

@@ -9,6 +9,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from pdserve.engine.core_loan import CoreLoan
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestOutput
 
@@ -25,6 +26,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
+        self.loan = CoreLoan.from_env(engine.dp_rank)
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -54,7 +56,10 @@ class EngineLoop:
                 self.deliver(early)
             outputs: list[RequestOutput] = []
             computed = False
-            if self.engine.has_work() or self._connector_busy():
+            busy = self.engine.has_work() or self._connector_busy()
+            if self.loan is not None:
+                self.loan.before_step(busy)
+            if busy:
                 try:
                     outputs += self.engine.step()
                     computed = self.engine.last_step_computed

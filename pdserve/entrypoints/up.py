@@ -11,14 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
 
+from pdserve.engine import core_loan
 from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
 
 log = logging.getLogger("pdserve.up")
+LOAN_NICE = 10  # a prefill's, where it borrows decodes' cores: on them the decode comes first
 
 
 @dataclass(slots=True)
@@ -54,27 +57,37 @@ def add_parser(sub) -> None:
     add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--core-loan", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prefill computes on the decodes' cores while they have nothing "
+                   "to decode (default: on)")
     add_engine_args(p)
     add_server_args(p)
     p.set_defaults(run=run)
 
 
-def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[Instance]:
-    """Lay out ports and cores (see `share_cores`). Each instance takes dp * tp consecutive
-    side-channel ports (one per rank)."""
+def plan(args: argparse.Namespace, engine_argv: list[str], boards: str | None = None
+         ) -> list[Instance]:
+    """Lay out ports and cores (see `share_cores`, and `plan_loans` where `boards` names a
+    folder for the core-loan boards). Each instance takes dp * tp consecutive side-channel
+    ports (one per rank)."""
     cores = share_cores(sorted(os.sched_getaffinity(0)), args.prefill,
                         args.prefill_dp * args.prefill_tp, args.decode,
                         args.decode_dp * args.decode_tp)
+    loans = plan_loans(args, cores, boards) if boards else {}
     out: list[Instance] = []
     port, side = args.base_port, args.side_channel_base_port
-    # OMP threads that spin while idle would steal the other tier's core.
-    env = {"OMP_WAIT_POLICY": "PASSIVE"}
     for role, count, dp, tp in (("prefill", args.prefill, args.prefill_dp, args.prefill_tp),
                                 ("decode", args.decode, args.decode_dp, args.decode_tp)):
         for i in range(count):
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                   "engine_id": f"{role}{i}"}
             cpus, threads, nice = cores[role][i]
+            # OMP threads that spin while idle would steal the other tier's core.
+            env = {"OMP_WAIT_POLICY": "PASSIVE"}
+            if loan := loans.get(f"{role}{i}"):
+                env[core_loan.ENV] = json.dumps(loan)
+                if role == "prefill":
+                    cpus, nice = cpus | set(loan["lent"]), LOAN_NICE
             argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
                     "--host", args.host, "--port", str(port),
                     "--kv-transfer-config", json.dumps(kv), "--data-parallel-size", str(dp),
@@ -123,6 +136,28 @@ def share_cores(cpus: list[int], prefills: int, prefill_ranks: int, decodes: int
     return {"prefill": prefill, "decode": decode}
 
 
+def plan_loans(args: argparse.Namespace, cores: dict, boards: str) -> dict[str, dict]:
+    """Each instance's core-loan spec (engine/core_loan.py), and the boards, made in folder
+    `boards`: decode j lends its cores to prefill j % P, whose board has a slot per decode
+    rank. Only prefills with cores of their own and a single engine (no ranks to split a
+    loan between) borrow."""
+    if args.prefill_dp * args.prefill_tp > 1 or any(c is None for c, _, _ in cores["prefill"]):
+        return {}
+    loans: dict[str, dict] = {}
+    for j, (cpus, threads, _) in enumerate(cores["decode"]):
+        prefill = loans.setdefault(f"prefill{j % args.prefill}", {
+            "board": os.path.join(boards, f"prefill{j % args.prefill}"), "lent": []})
+        slot = sum(k.startswith("decode") and v["board"] == prefill["board"]
+                   for k, v in loans.items()) * args.decode_dp
+        loans[f"decode{j}"] = {"board": prefill["board"], "slot": slot,
+                               "lend": threads * args.decode_tp}
+        prefill["lent"] += sorted(cpus)
+    for name, loan in loans.items():
+        if name.startswith("prefill"):
+            core_loan.new_board(loan["board"], len(loan["lent"]))
+    return loans
+
+
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags given to `up`, passed through to every instance."""
     flags = ["model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks",
@@ -144,7 +179,11 @@ def run(args: argparse.Namespace) -> int:
     if problem := check_routing_args(args):
         print(f"pdserve: error: {problem}", file=sys.stderr)
         return 2
-    instances = plan(args, engine_argv(args))
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as boards:
+        return _run(args, plan(args, engine_argv(args), boards if args.core_loan else None))
+
+
+def _run(args: argparse.Namespace, instances: list[Instance]) -> int:
     stopping = False
 
     def stop(*_):

@@ -1,9 +1,11 @@
 """`pdserve up`'s core plan: decodes own their cores, prefills (and the proxy) split what
-is left."""
+is left, and prefills borrow the decodes' cores while those are idle."""
 
 import argparse
+import json
 import os
 
+from pdserve.engine import core_loan
 from pdserve.entrypoints import up
 
 
@@ -55,3 +57,43 @@ def test_instances_get_a_process_group_of_their_own_in_ups_session():
     finally:
         up._stop_all([inst], 5)
     assert inst.proc.returncode is not None
+
+
+def _plan(argv: list[str], cpus: set[int], boards, monkeypatch) -> dict[str, up.Instance]:
+    sub = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(sub)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: cpus)
+    return {i.name: i for i in up.plan(sub.choices["up"].parse_args(argv), [], boards)}
+
+
+def _loan(inst: up.Instance) -> dict | None:
+    spec = inst.env.get(core_loan.ENV)
+    return None if spec is None else json.loads(spec)
+
+
+def test_the_prefill_borrows_the_decode_core_at_lower_priority(tmp_path, monkeypatch):
+    insts = _plan([], {0, 1}, str(tmp_path), monkeypatch)
+    board = str(tmp_path / "prefill0")
+    assert _loan(insts["decode0"]) == {"board": board, "slot": 0, "lend": 1}
+    assert insts["decode0"].cpus == {1} and insts["decode0"].nice == 0
+    assert _loan(insts["prefill0"]) == {"board": board, "lent": [1]}
+    assert insts["prefill0"].cpus == {0, 1} and insts["prefill0"].nice == up.LOAN_NICE
+    assert insts["proxy"].cpus == {0}  # the proxy stays off the decode's core
+    assert (tmp_path / "prefill0").read_bytes() == bytes(1)  # nothing lent before it idles
+
+
+def test_each_decode_lends_to_one_prefill_a_slot_per_rank(tmp_path, monkeypatch):
+    insts = _plan(["--prefill", "2", "--decode", "2", "--decode-dp", "2"], set(range(8)),
+                  str(tmp_path), monkeypatch)
+    assert [_loan(insts[f"decode{j}"])["board"] for j in range(2)] == [
+        str(tmp_path / "prefill0"), str(tmp_path / "prefill1")]
+    assert _loan(insts["prefill0"])["lent"] == sorted(insts["decode0"].cpus)
+    assert _loan(insts["prefill1"])["lent"] == sorted(insts["decode1"].cpus)
+    assert len((tmp_path / "prefill0").read_bytes()) == 2  # both ranks of decode0
+
+
+def test_no_loans_for_prefills_with_ranks_or_when_turned_off(tmp_path, monkeypatch):
+    insts = _plan(["--prefill-dp", "2"], {0, 1, 2}, str(tmp_path), monkeypatch)
+    assert not any(_loan(i) for i in insts.values())
+    insts = _plan([], {0, 1}, None, monkeypatch)  # what run() passes for --no-core-loan
+    assert not any(_loan(i) for i in insts.values()) and insts["prefill0"].cpus == {0}

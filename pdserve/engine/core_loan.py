@@ -1,0 +1,72 @@
+"""Cores that idle decode engines lend to a prefill engine on the same host.
+
+`pdserve up` gives each decode rank a core of its own, so that its steps never wait behind
+a prefill; but a decode with nothing to decode leaves that core idle, while a prefill on
+one core takes nearly twice as long as on two. So each decode engine publishes, in its
+byte of a small shared file (the board), how many threads it would lend (0 while it has
+work), and the prefill engine reads the board before each step and runs that step on its
+own threads plus the idle decodes' cores. A decode that gets work mid-step shares its core
+with one prefill thread until that step ends; the prefill runs at a lower priority, so the
+decode keeps most of it.
+
+`pdserve up` sets PDSERVE_CORE_LOAN (JSON) in the instances' environment:
+`{"board": path, "slot": i, "lend": n}` for a decode (rank r writes slot i + r), and
+`{"board": path, "lent": [cpu, ...]}` for the prefill."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+ENV = "PDSERVE_CORE_LOAN"
+
+
+@dataclass(slots=True)
+class CoreLoan:
+    board: mmap.mmap
+    slot: int | None  # a lender's byte; None for the borrower
+    lend: int  # threads a lender lends while idle
+    own: set[int]  # the borrower's own cores and the cores it may borrow
+    lent: set[int]
+    threads: int  # the borrower's own threads
+    current: int = -1  # what was last published (lender) or set (borrower)
+
+    @classmethod
+    def from_env(cls, dp_rank: int = 0) -> CoreLoan | None:
+        spec = os.environ.get(ENV)
+        if not spec:
+            return None
+        spec = json.loads(spec)
+        with open(spec["board"], "r+b") as f:
+            board = mmap.mmap(f.fileno(), 0)
+        if "slot" in spec:
+            return cls(board, spec["slot"] + dp_rank, spec["lend"], set(), set(), 0)
+        lent = set(spec["lent"])
+        return cls(board, None, 0, os.sched_getaffinity(0) - lent, lent,
+                   torch.get_num_threads())
+
+    def before_step(self, busy: bool) -> None:
+        """A lender publishes whether it is busy; the borrower takes what is lent now."""
+        if self.slot is not None:
+            lent = 0 if busy else self.lend
+            if lent != self.current:
+                self.board[self.slot] = self.current = lent
+            return
+        threads = self.threads + min(sum(self.board[:]), len(self.lent))
+        if threads != self.current:
+            # This thread runs the step: off the lent cores unless it borrows them (the
+            # OpenMP workers it starts inherit that, and sit idle when not asked for).
+            os.sched_setaffinity(0, self.own | self.lent if threads > self.threads
+                                 else self.own)
+            torch.set_num_threads(threads)
+            self.current = threads
+
+
+def new_board(path: str, slots: int) -> None:
+    """A board of `slots` lenders, all busy (lending nothing) until they say otherwise."""
+    with open(path, "wb") as f:
+        f.write(bytes(slots))

@@ -1,0 +1,71 @@
+"""Core loans between a decode engine and a prefill engine through a shared board."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from pdserve.engine import core_loan
+from pdserve.engine.core_loan import CoreLoan
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                     reason="needs two cores to lend one")
+
+
+def _loan(monkeypatch, spec: dict, dp_rank: int = 0) -> CoreLoan:
+    monkeypatch.setenv(core_loan.ENV, json.dumps(spec))
+    return CoreLoan.from_env(dp_rank)
+
+
+def _in_thread(fn):
+    """fn's result in a new thread, as the engine loop runs it (affinity and torch's thread
+    count are per thread, so the test's own stay as they were)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_no_loan_without_the_environment(monkeypatch):
+    monkeypatch.delenv(core_loan.ENV, raising=False)
+    assert CoreLoan.from_env() is None
+
+
+def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, monkeypatch):
+    board = tmp_path / "board"
+    core_loan.new_board(str(board), 3)
+    assert board.read_bytes() == bytes(3)  # nothing lent before a decode says it is idle
+    rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
+    rank1.before_step(busy=False)
+    assert board.read_bytes() == bytes([0, 0, 2])
+    rank1.before_step(busy=True)
+    assert board.read_bytes() == bytes(3)
+
+
+@needs_two_cores
+def test_the_borrower_takes_idle_cores_and_leaves_them_when_lenders_are_busy(tmp_path,
+                                                                             monkeypatch):
+    cores = sorted(os.sched_getaffinity(0))
+    own, lent = set(cores[:-1]), {cores[-1]}
+    board = str(tmp_path / "board")
+    core_loan.new_board(board, 1)
+    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
+    threads = torch.get_num_threads()
+    borrower = _loan(monkeypatch, {"board": board, "lent": sorted(lent)})
+    assert borrower.own == own and borrower.threads == threads
+
+    def step():
+        borrower.before_step(busy=True)
+        return torch.get_num_threads(), os.sched_getaffinity(0)
+
+    assert _in_thread(step) == (threads, own)  # the lender has not said it is idle
+    lender.before_step(busy=False)
+    assert _in_thread(step) == (threads + 1, own | lent)
+    lender.before_step(busy=True)
+    assert _in_thread(step) == (threads, own)
+    assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == own | lent

@@ -2,6 +2,7 @@
 against the prefill's own TTFT for the same requests (its histogram), in one run.
 
     pdserve bench handover --prompt-tokens 1024 --num-prompts 10
+    pdserve bench handover --prompt-tokens 512 --no-core-loan   # the prefill on its own core
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-core-loan", action="store_true",
+                   help="start pdserve up with --no-core-loan (the prefill keeps its own cores)")
     args = p.parse_args(argv)
-    up, proxy, prefill, decode = up_layout(["--dtype", args.dtype])
+    up, proxy, prefill, decode = up_layout(["--dtype", args.dtype]
+                                           + ["--no-core-loan"] * args.no_core_loan)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
                for _ in range(args.num_prompts + 1)]

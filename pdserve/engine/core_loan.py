@@ -2,12 +2,12 @@
 
 `pdserve up` gives each decode rank a core of its own, so that its steps never wait behind
 a prefill; but a decode with nothing to decode leaves that core idle, while a prefill on
-one core takes nearly twice as long as on two. So each decode engine publishes, in its
-byte of a small shared file (the board), how many threads it would lend (0 while it has
-work), and the prefill engine reads the board before each step and runs that step on its
-own threads plus the idle decodes' cores. A decode that gets work mid-step shares its core
-with one prefill thread until that step ends; the prefill runs at a lower priority, so the
-decode keeps most of it.
+one core takes nearly twice as long as on two. So each decode engine (a `Lender`)
+publishes, in its byte of a small shared file (the board), how many threads it would lend
+(0 while it has work), and the prefill engine (the `Borrower`) reads the board before each
+step and runs that step on its own threads plus the idle decodes' cores. A decode that
+gets work mid-step shares its core with one prefill thread until that step ends; the
+prefill runs at a lower priority, so the decode keeps most of it.
 
 `pdserve up` sets PDSERVE_CORE_LOAN (JSON) in the instances' environment:
 `{"board": path, "slot": i, "lend": n}` for a decode (rank r writes slot i + r), and
@@ -26,36 +26,29 @@ ENV = "PDSERVE_CORE_LOAN"
 
 
 @dataclass(slots=True)
-class CoreLoan:
+class Lender:
+    """A decode engine's byte on its prefill's board: the threads it lends while idle."""
     board: mmap.mmap
-    slot: int | None  # a lender's byte; None for the borrower
-    lend: int  # threads a lender lends while idle
-    own: set[int]  # the borrower's own cores and the cores it may borrow
-    lent: set[int]
-    threads: int  # the borrower's own threads
-    current: int = -1  # what was last published (lender) or set (borrower)
-
-    @classmethod
-    def from_env(cls, dp_rank: int = 0) -> CoreLoan | None:
-        spec = os.environ.get(ENV)
-        if not spec:
-            return None
-        spec = json.loads(spec)
-        with open(spec["board"], "r+b") as f:
-            board = mmap.mmap(f.fileno(), 0)
-        if "slot" in spec:
-            return cls(board, spec["slot"] + dp_rank, spec["lend"], set(), set(), 0)
-        lent = set(spec["lent"])
-        return cls(board, None, 0, os.sched_getaffinity(0) - lent, lent,
-                   torch.get_num_threads())
+    slot: int
+    lend: int
+    published: int = -1
 
     def before_step(self, busy: bool) -> None:
-        """A lender publishes whether it is busy; the borrower takes what is lent now."""
-        if self.slot is not None:
-            lent = 0 if busy else self.lend
-            if lent != self.current:
-                self.board[self.slot] = self.current = lent
-            return
+        lent = 0 if busy else self.lend
+        if lent != self.published:
+            self.board[self.slot] = self.published = lent
+
+
+@dataclass(slots=True)
+class Borrower:
+    """A prefill engine: its own cores and threads, plus what idle lenders offer now."""
+    board: mmap.mmap
+    own: set[int]
+    lent: set[int]
+    threads: int
+    current: int = -1
+
+    def before_step(self, busy: bool) -> None:
         threads = self.threads + min(sum(self.board[:]), len(self.lent))
         if threads != self.current:
             # This thread runs the step: off the lent cores unless it borrows them (the
@@ -64,6 +57,20 @@ class CoreLoan:
                                  else self.own)
             torch.set_num_threads(threads)
             self.current = threads
+
+
+def from_env(dp_rank: int = 0) -> Lender | Borrower | None:
+    """This engine's part in a core loan, from PDSERVE_CORE_LOAN; None outside one."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    spec = json.loads(spec)
+    with open(spec["board"], "r+b") as f:
+        board = mmap.mmap(f.fileno(), 0)
+    if "slot" in spec:
+        return Lender(board, spec["slot"] + dp_rank, spec["lend"])
+    lent = set(spec["lent"])
+    return Borrower(board, os.sched_getaffinity(0) - lent, lent, torch.get_num_threads())
 
 
 def new_board(path: str, slots: int) -> None:

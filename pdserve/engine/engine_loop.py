@@ -9,7 +9,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from pdserve.engine.core_loan import CoreLoan
+from pdserve.engine import core_loan
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestOutput
 
@@ -26,7 +26,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
-        self.loan = CoreLoan.from_env(engine.dp_rank)
+        self.loan = core_loan.from_env(engine.dp_rank)
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from pdserve.engine import core_loan
-from pdserve.engine.core_loan import CoreLoan
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                      reason="needs two cores to lend one")
 
 
-def _loan(monkeypatch, spec: dict, dp_rank: int = 0) -> CoreLoan:
+def _loan(monkeypatch, spec: dict, dp_rank: int = 0):
     monkeypatch.setenv(core_loan.ENV, json.dumps(spec))
-    return CoreLoan.from_env(dp_rank)
+    return core_loan.from_env(dp_rank)
 
 
 def _in_thread(fn):
@@ -33,7 +32,7 @@ def _in_thread(fn):
 
 def test_no_loan_without_the_environment(monkeypatch):
     monkeypatch.delenv(core_loan.ENV, raising=False)
-    assert CoreLoan.from_env() is None
+    assert core_loan.from_env() is None
 
 
 def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, monkeypatch):
@@ -41,6 +40,7 @@ def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, 
     core_loan.new_board(str(board), 3)
     assert board.read_bytes() == bytes(3)  # nothing lent before a decode says it is idle
     rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
+    assert isinstance(rank1, core_loan.Lender)
     rank1.before_step(busy=False)
     assert board.read_bytes() == bytes([0, 0, 2])
     rank1.before_step(busy=True)
@@ -57,6 +57,7 @@ def test_the_borrower_takes_idle_cores_and_leaves_them_when_lenders_are_busy(tmp
     lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
     threads = torch.get_num_threads()
     borrower = _loan(monkeypatch, {"board": board, "lent": sorted(lent)})
+    assert isinstance(borrower, core_loan.Borrower)
     assert borrower.own == own and borrower.threads == threads
 
     def step():

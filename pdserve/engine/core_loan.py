@@ -33,10 +33,12 @@ class Lender:
     lend: int
     published: int = -1
 
-    def before_step(self, busy: bool) -> None:
+    def before_step(self, busy: bool) -> int:
+        """Publishes what this engine lends now; borrows nothing (returns 0)."""
         lent = 0 if busy else self.lend
         if lent != self.published:
             self.board[self.slot] = self.published = lent
+        return 0
 
 
 @dataclass(slots=True)
@@ -48,7 +50,8 @@ class Borrower:
     threads: int
     current: int = -1
 
-    def before_step(self, busy: bool) -> None:
+    def before_step(self, busy: bool) -> int:
+        """Takes the threads lent now; returns how many (beyond its own) the step gets."""
         threads = self.threads + min(sum(self.board[:]), len(self.lent))
         if threads != self.current:
             # This thread runs the step: off the lent cores unless it borrows them (the
@@ -57,6 +60,7 @@ class Borrower:
                                  else self.own)
             torch.set_num_threads(threads)
             self.current = threads
+        return threads - self.threads
 
 
 def from_env(dp_rank: int = 0) -> Lender | Borrower | None:

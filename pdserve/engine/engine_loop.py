@@ -57,14 +57,15 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             computed = False
             busy = self.engine.has_work() or self._connector_busy()
-            if self.loan is not None:
-                self.loan.before_step(busy)
+            borrowed = self.loan.before_step(busy) if self.loan is not None else 0
             if busy:
                 try:
                     outputs += self.engine.step()
                     computed = self.engine.last_step_computed
                 except Exception:
                     outputs += self._fail_all(traceback.format_exc())
+                if borrowed and computed:
+                    self.engine.metrics.loan_steps.inc()
             if outputs:
                 self.deliver(outputs)
             elif not computed:  # nothing ran: sleep until work arrives or a poll is due

@@ -41,7 +41,7 @@ def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, 
     assert board.read_bytes() == bytes(3)  # nothing lent before a decode says it is idle
     rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
     assert isinstance(rank1, core_loan.Lender)
-    rank1.before_step(busy=False)
+    assert rank1.before_step(busy=False) == 0  # a lender borrows nothing
     assert board.read_bytes() == bytes([0, 0, 2])
     rank1.before_step(busy=True)
     assert board.read_bytes() == bytes(3)
@@ -61,12 +61,12 @@ def test_the_borrower_takes_idle_cores_and_leaves_them_when_lenders_are_busy(tmp
     assert borrower.own == own and borrower.threads == threads
 
     def step():
-        borrower.before_step(busy=True)
-        return torch.get_num_threads(), os.sched_getaffinity(0)
+        borrowed = borrower.before_step(busy=True)
+        return borrowed, torch.get_num_threads(), os.sched_getaffinity(0)
 
-    assert _in_thread(step) == (threads, own)  # the lender has not said it is idle
+    assert _in_thread(step) == (0, threads, own)  # the lender has not said it is idle
     lender.before_step(busy=False)
-    assert _in_thread(step) == (threads + 1, own | lent)
+    assert _in_thread(step) == (1, threads + 1, own | lent)
     lender.before_step(busy=True)
-    assert _in_thread(step) == (threads, own)
+    assert _in_thread(step) == (0, threads, own)
     assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == own | lent

@@ -5,9 +5,9 @@ a prefill; but a decode with nothing to decode leaves that core idle, while a pr
 one core takes nearly twice as long as on two. So each decode engine (a `Lender`)
 publishes, in its byte of a small shared file (the board), how many threads it would lend
 (0 while it has work), and the prefill engine (the `Borrower`) reads the board before each
-step and runs that step on its own threads plus the idle decodes' cores. A decode that
-gets work mid-step shares its core with one prefill thread until that step ends; the
-prefill runs at a lower priority, so the decode keeps most of it.
+step and each layer, and runs it on its own threads plus the idle decodes' cores. A
+decode that gets work mid-layer shares its core with one prefill thread until that layer
+ends (a few ms); the prefill runs at a lower priority, so the decode keeps most of it.
 
 `pdserve up` sets PDSERVE_CORE_LOAN (JSON) in the instances' environment:
 `{"board": path, "slot": i, "lend": n}` for a decode (rank r writes slot i + r), and
@@ -32,13 +32,12 @@ class Lender:
     slot: int
     lend: int
     published: int = -1
+    borrowed: bool = False  # a lender never borrows
 
-    def before_step(self, busy: bool) -> int:
-        """Publishes what this engine lends now; borrows nothing (returns 0)."""
+    def before_step(self, busy: bool) -> None:
         lent = 0 if busy else self.lend
         if lent != self.published:
             self.board[self.slot] = self.published = lent
-        return 0
 
 
 @dataclass(slots=True)
@@ -49,9 +48,16 @@ class Borrower:
     lent: set[int]
     threads: int
     current: int = -1
+    borrowed: bool = False  # did the step in progress run on lent cores?
 
-    def before_step(self, busy: bool) -> int:
-        """Takes the threads lent now; returns how many (beyond its own) the step gets."""
+    def before_step(self, busy: bool) -> None:
+        self.borrowed = False
+        self.take()
+
+    def take(self) -> None:
+        """Runs what follows on its own threads plus those lent now. Called before each
+        step and between the model's layers: a prefill step is hundreds of ms, and a decode
+        that goes idle (or gets work) mid-step is used (or left) from the next layer on."""
         threads = self.threads + min(sum(self.board[:]), len(self.lent))
         if threads != self.current:
             # This thread runs the step: off the lent cores unless it borrows them (the
@@ -60,7 +66,7 @@ class Borrower:
                                  else self.own)
             torch.set_num_threads(threads)
             self.current = threads
-        return threads - self.threads
+        self.borrowed |= threads > self.threads
 
 
 def from_env(dp_rank: int = 0) -> Lender | Borrower | None:

@@ -27,6 +27,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopped = False
         self.loan = core_loan.from_env(engine.dp_rank)
+        if isinstance(self.loan, core_loan.Borrower):  # (only single-rank engines borrow)
+            engine.runner.model.before_layer = self.loan.take
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -57,14 +59,15 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             computed = False
             busy = self.engine.has_work() or self._connector_busy()
-            borrowed = self.loan.before_step(busy) if self.loan is not None else 0
+            if self.loan is not None:
+                self.loan.before_step(busy)
             if busy:
                 try:
                     outputs += self.engine.step()
                     computed = self.engine.last_step_computed
                 except Exception:
                     outputs += self._fail_all(traceback.format_exc())
-                if borrowed and computed:
+                if computed and self.loan is not None and self.loan.borrowed:
                     self.engine.metrics.loan_steps.inc()
             if outputs:
                 self.deliver(outputs)

@@ -197,6 +197,9 @@ class LlamaModel:
         self.lm_head = gemm.weight(self.embed if config.tie_word_embeddings
                                    else w("lm_head.weight"))
         self.cos, self.sin = _rope_table(config, max_len, device)
+        # Called before each layer: a prefill borrowing idle cores adjusts its threads there
+        # (engine/core_loan.py).
+        self.before_layer: Callable[[], None] | None = None
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -207,6 +210,8 @@ class LlamaModel:
         sin = self.sin[batch.positions].to(self.dtype)
         linear = self.gemm
         for i, layer in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer()
             x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
             q, k, v = self.ops.rope_store(linear(x, layer.qkv, layer.qkv_bias), c.num_heads,
                                           cos, sin, cache, i, batch.slot_blocks,

@@ -41,8 +41,8 @@ def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, 
     assert board.read_bytes() == bytes(3)  # nothing lent before a decode says it is idle
     rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
     assert isinstance(rank1, core_loan.Lender)
-    assert rank1.before_step(busy=False) == 0  # a lender borrows nothing
-    assert board.read_bytes() == bytes([0, 0, 2])
+    rank1.before_step(busy=False)
+    assert board.read_bytes() == bytes([0, 0, 2]) and not rank1.borrowed
     rank1.before_step(busy=True)
     assert board.read_bytes() == bytes(3)
 
@@ -61,12 +61,37 @@ def test_the_borrower_takes_idle_cores_and_leaves_them_when_lenders_are_busy(tmp
     assert borrower.own == own and borrower.threads == threads
 
     def step():
-        borrowed = borrower.before_step(busy=True)
-        return borrowed, torch.get_num_threads(), os.sched_getaffinity(0)
+        borrower.before_step(busy=True)
+        return borrower.borrowed, torch.get_num_threads(), os.sched_getaffinity(0)
 
-    assert _in_thread(step) == (0, threads, own)  # the lender has not said it is idle
+    assert _in_thread(step) == (False, threads, own)  # the lender has not said it is idle
     lender.before_step(busy=False)
-    assert _in_thread(step) == (1, threads + 1, own | lent)
+    assert _in_thread(step) == (True, threads + 1, own | lent)
     lender.before_step(busy=True)
-    assert _in_thread(step) == (0, threads, own)
+    assert _in_thread(step) == (False, threads, own)
     assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == own | lent
+
+
+@needs_two_cores
+def test_the_borrower_follows_the_lender_between_layers(tmp_path, monkeypatch):
+    """A step that began without the loan takes it once the lender goes idle, and keeps
+    counting as borrowed after the lender takes its core back."""
+    board = str(tmp_path / "board")
+    core_loan.new_board(board, 1)
+    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
+    borrower = _loan(monkeypatch, {"board": board, "lent": [max(os.sched_getaffinity(0))]})
+    threads = torch.get_num_threads()
+
+    def step():
+        seen = []
+        borrower.before_step(busy=True)
+        seen.append(torch.get_num_threads())
+        lender.before_step(busy=False)  # the decode finishes its last request mid-prefill
+        borrower.take()  # the next layer
+        seen.append(torch.get_num_threads())
+        lender.before_step(busy=True)
+        borrower.take()
+        seen.append(torch.get_num_threads())
+        return seen, borrower.borrowed
+
+    assert _in_thread(step) == ([threads, threads + 1, threads], True)

@@ -138,8 +138,9 @@ def share_cores(cpus: list[int], prefills: int, prefill_ranks: int, decodes: int
 
 def plan_loans(args: argparse.Namespace, cores: dict, boards: str) -> dict[str, dict]:
     """Each instance's core-loan spec (engine/core_loan.py), and the boards, made in folder
-    `boards`: decode j lends its cores to prefill j % P, whose board has a slot per decode
-    rank. Only prefills with cores of their own and a single engine (no ranks to split a
+    `boards`: decode j lends its cores to prefill j % P, the (j // P)-th decode on that
+    prefill's board, with a slot per rank (the board has a byte per lent core, at least as
+    many). Only prefills with cores of their own and a single engine (no ranks to split a
     loan between) borrow."""
     if args.prefill_dp * args.prefill_tp > 1 or any(c is None for c, _, _ in cores["prefill"]):
         return {}
@@ -147,9 +148,8 @@ def plan_loans(args: argparse.Namespace, cores: dict, boards: str) -> dict[str, 
     for j, (cpus, threads, _) in enumerate(cores["decode"]):
         prefill = loans.setdefault(f"prefill{j % args.prefill}", {
             "board": os.path.join(boards, f"prefill{j % args.prefill}"), "lent": []})
-        slot = sum(k.startswith("decode") and v["board"] == prefill["board"]
-                   for k, v in loans.items()) * args.decode_dp
-        loans[f"decode{j}"] = {"board": prefill["board"], "slot": slot,
+        loans[f"decode{j}"] = {"board": prefill["board"],
+                               "slot": j // args.prefill * args.decode_dp,
                                "lend": threads * args.decode_tp}
         prefill["lent"] += sorted(cpus)
     for name, loan in loans.items():

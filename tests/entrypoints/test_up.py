@@ -90,6 +90,9 @@ def test_each_decode_lends_to_one_prefill_a_slot_per_rank(tmp_path, monkeypatch)
     assert _loan(insts["prefill0"])["lent"] == sorted(insts["decode0"].cpus)
     assert _loan(insts["prefill1"])["lent"] == sorted(insts["decode1"].cpus)
     assert len((tmp_path / "prefill0").read_bytes()) == 2  # both ranks of decode0
+    one = _plan(["--decode", "2", "--decode-dp", "2"], set(range(8)), str(tmp_path),
+                monkeypatch)
+    assert [_loan(one[f"decode{j}"])["slot"] for j in range(2)] == [0, 2]  # after decode0's
 
 
 def test_no_loans_for_prefills_with_ranks_or_when_turned_off(tmp_path, monkeypatch):

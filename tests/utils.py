@@ -186,15 +186,16 @@ TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
               "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def write_tiny_llama(out: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """Random float32 weights for TINY_LLAMA with the embedded model's tokenizer, as an HF
+def write_tiny_llama(out: Path, tokenizer_folder: Path, seed: int = 0,
+                     config: dict = TINY_LLAMA) -> Path:
+    """Random float32 weights for `config` with the embedded model's tokenizer, as an HF
     folder (config.json + model.safetensors) the server loads like real weights. Unit-scale
     embeddings and lm_head make logits peaked (at HF's 0.02 scale nearly every step would be
     a near-tie); untied, so the next token depends on more than the last one."""
     from safetensors.torch import save_file
 
     tok = json.loads((tokenizer_folder / "config.json").read_text())
-    c = {**TINY_LLAMA, "vocab_size": tok["vocab_size"]}
+    c = {**config, "vocab_size": tok["vocab_size"], "tie_word_embeddings": False}
     g = torch.Generator().manual_seed(seed)
     h, i = c["hidden_size"], c["intermediate_size"]
     hd = h // c["num_attention_heads"]

@@ -7,6 +7,7 @@ hides NIXL's progress and notification quirks, and turns NIXL failures into Tran
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import time
@@ -32,7 +33,10 @@ Progress = Literal["thread", "poll", "spin"]
 # - UCX_USE_MT_MUTEX: with NIXL's progress thread the worker lock is a spinlock by default;
 #   the thread waking up mid-copy spun on it and halved the rate of a 24 MB pull on 2 cores.
 UCX_DEFAULTS = {"UCX_TLS": "cma,tcp,self", "UCX_USE_MT_MUTEX": "y"}
-UCX_GPU_TLS = ",cuda_copy,cuda_ipc"  # only when VRAM is registered: UCX warns if absent
+# Only on a host with NVIDIA GPUs, where NIXL's UCX backend refuses to start without
+# cuda_copy even if it registers host memory alone (nixl-cu12 1.5.1, seen on an H200);
+# elsewhere UCX warns that the transports are absent.
+UCX_GPU_TLS = ",cuda_copy,cuda_ipc"
 
 
 class TransferError(RuntimeError):
@@ -49,12 +53,16 @@ def load_nixl() -> ModuleType:
     raise RuntimeError("NIXL is not installed: pip install nixl-cu12 (module nixl_cu12 or nixl)")
 
 
+def nvidia_gpus_present() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
 def apply_ucx_defaults(env: MutableMapping[str, str] = os.environ, *,
                        gpu: bool = False) -> dict[str, str]:
     """Set UCX_DEFAULTS where unset and return what was set. UCX reads them when the first
     agent's backend starts, so call this (or let NixlAgent call it) before that."""
     defaults = dict(UCX_DEFAULTS)
-    if gpu:
+    if gpu or nvidia_gpus_present():
         defaults["UCX_TLS"] += UCX_GPU_TLS
     added = {k: v for k, v in defaults.items() if k not in env}
     env.update(added)

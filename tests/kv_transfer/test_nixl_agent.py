@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from pdserve.kv_transfer import nixl_agent
 from pdserve.kv_transfer.nixl_agent import (
     NixlAgent,
     Region,
@@ -64,6 +65,13 @@ def test_apply_ucx_defaults_keeps_user_settings():
     added = apply_ucx_defaults(env)
     assert env["UCX_TLS"] == "tcp" and "UCX_TLS" not in added
     assert apply_ucx_defaults({}, gpu=True)["UCX_TLS"].endswith("cuda_copy,cuda_ipc")
+
+
+@pytest.mark.parametrize("present", [False, True])
+def test_ucx_defaults_name_cuda_wherever_a_gpu_is_present(monkeypatch, present):
+    # NIXL's UCX backend refuses to start on a GPU host without cuda_copy, even for DRAM.
+    monkeypatch.setattr(nixl_agent, "nvidia_gpus_present", lambda: present)
+    assert apply_ucx_defaults({})["UCX_TLS"].endswith("cuda_copy,cuda_ipc") == present
 
 
 def _nixl_or_skip() -> None:

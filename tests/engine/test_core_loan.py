@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -38,13 +39,15 @@ def test_no_loan_without_the_environment(monkeypatch):
 def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, monkeypatch):
     board = tmp_path / "board"
     core_loan.new_board(str(board), 3)
-    assert board.read_bytes() == bytes(3)  # nothing lent before a decode says it is idle
+    empty = bytes(core_loan.LENDERS + 3)
+    assert board.read_bytes() == empty  # nothing lent before a decode says it is idle
     rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
     assert isinstance(rank1, core_loan.Lender)
     rank1.before_step(busy=False)
-    assert board.read_bytes() == bytes([0, 0, 2]) and not rank1.borrowed
+    assert board.read_bytes() == bytes(core_loan.LENDERS) + bytes([0, 0, 2])
+    assert not rank1.borrowed
     rank1.before_step(busy=True)
-    assert board.read_bytes() == bytes(3)
+    assert board.read_bytes() == empty
 
 
 @needs_two_cores
@@ -95,3 +98,65 @@ def test_the_borrower_follows_the_lender_between_layers(tmp_path, monkeypatch):
         return seen, borrower.borrowed
 
     assert _in_thread(step) == ([threads, threads + 1, threads], True)
+
+
+def _pair(tmp_path, monkeypatch):
+    board = str(tmp_path / "board")
+    core_loan.new_board(board, 1)
+    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
+    borrower = _loan(monkeypatch, {"board": board, "lent": [max(os.sched_getaffinity(0))]})
+    return lender, borrower
+
+
+def test_a_busy_decode_lends_after_each_step_only_while_the_prefill_has_a_backlog(
+        tmp_path, monkeypatch):
+    lender, borrower = _pair(tmp_path, monkeypatch)
+    lent_during_gap = []
+    monkeypatch.setattr(core_loan.time, "sleep", lambda s: lent_during_gap.append(
+        (s, sum(borrower.board[core_loan.LENDERS:]))))
+    for demand in range(core_loan.PACE_DEMAND + 2):
+        _in_thread(lambda d=demand: borrower.before_step(busy=d > 0, demand=d))
+        lender.before_step(busy=True)
+        lender.after_step(0.015)
+    # One gap per step from the backlog on, as long as the step, with the core lent (the
+    # short sleeps are the decode waiting for the prefill's layer on its core to end).
+    assert [gap for gap in lent_during_gap if gap[0] > 0.001] == [(0.015, 1)] * 2
+    lender.before_step(busy=True)
+    assert sum(borrower.board[core_loan.LENDERS:]) == 0  # taken back for the next step
+
+
+@needs_two_cores
+def test_a_decode_takes_its_core_back_only_once_the_prefills_layer_is_done(tmp_path,
+                                                                          monkeypatch):
+    lender, borrower = _pair(tmp_path, monkeypatch)
+    lender.before_step(busy=False)
+    _in_thread(lambda: borrower.before_step(busy=True, demand=1))
+    assert borrower.board[core_loan.BORROWING] == 1  # a layer runs on the decode's core
+
+    def next_layer():  # the prefill reaches its next checkpoint 30 ms later
+        time.sleep(0.03)
+        borrower.take()
+
+    t = threading.Thread(target=next_layer)
+    t.start()
+    start = time.monotonic()
+    lender.before_step(busy=True)
+    waited = time.monotonic() - start
+    t.join()
+    assert 0.02 < waited < core_loan.RECLAIM_TIMEOUT_S
+    assert borrower.board[core_loan.BORROWING] == 0 and borrower.current == borrower.threads
+
+
+def test_a_decode_does_not_wait_for_a_prefill_that_is_gone(tmp_path, monkeypatch):
+    lender, borrower = _pair(tmp_path, monkeypatch)
+    borrower.board[core_loan.BORROWING] = 1  # set by a prefill that died mid-layer
+    start = time.monotonic()
+    lender.before_step(busy=True)
+    assert core_loan.RECLAIM_TIMEOUT_S <= time.monotonic() - start < 1
+
+
+def test_an_idle_prefill_borrows_nothing_and_says_so(tmp_path, monkeypatch):
+    lender, borrower = _pair(tmp_path, monkeypatch)
+    lender.before_step(busy=False)
+    _in_thread(lambda: borrower.before_step(busy=False, demand=0))
+    assert borrower.board[core_loan.BORROWING] == 0 and borrower.board[core_loan.DEMAND] == 0

@@ -79,7 +79,7 @@ def test_the_prefill_borrows_the_decode_core_at_lower_priority(tmp_path, monkeyp
     assert _loan(insts["prefill0"]) == {"board": board, "lent": [1]}
     assert insts["prefill0"].cpus == {0, 1} and insts["prefill0"].nice == up.LOAN_NICE
     assert insts["proxy"].cpus == {0}  # the proxy stays off the decode's core
-    assert (tmp_path / "prefill0").read_bytes() == bytes(1)  # nothing lent before it idles
+    assert (tmp_path / "prefill0").read_bytes() == bytes(core_loan.LENDERS + 1)  # all busy at first
 
 
 def test_each_decode_lends_to_one_prefill_a_slot_per_rank(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_each_decode_lends_to_one_prefill_a_slot_per_rank(tmp_path, monkeypatch)
         str(tmp_path / "prefill0"), str(tmp_path / "prefill1")]
     assert _loan(insts["prefill0"])["lent"] == sorted(insts["decode0"].cpus)
     assert _loan(insts["prefill1"])["lent"] == sorted(insts["decode1"].cpus)
-    assert len((tmp_path / "prefill0").read_bytes()) == 2  # both ranks of decode0
+    assert len((tmp_path / "prefill0").read_bytes()) == core_loan.LENDERS + 2  # decode0's ranks
     one = _plan(["--decode", "2", "--decode-dp", "2"], set(range(8)), str(tmp_path),
                 monkeypatch)
     assert [_loan(one[f"decode{j}"])["slot"] for j in range(2)] == [0, 2]  # after decode0's

@@ -31,7 +31,7 @@ import torch
 ENV = "PDSERVE_CORE_LOAN"
 # The board: what the prefill needs and does, then a byte per lender.
 DEMAND, BORROWING, LENDERS = 0, 1, 2  # prompts the prefill holds; 1 while a layer borrows
-PACE_DEMAND = 2  # a busy decode lends from this backlog on: one prompt running, one waiting
+PACE_DEMAND = 3  # a busy decode lends from this backlog on: one prompt running, two waiting
 RECLAIM_TIMEOUT_S = 0.05  # a lender waits no longer for a layer to end (a prefill gone)
 
 

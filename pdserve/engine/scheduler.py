@@ -181,6 +181,7 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = req.num_cached_tokens = req.num_registered_blocks = 0
+        req.load_remote = False  # its pulled KV is gone with its blocks: recompute it here
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

@@ -75,6 +75,27 @@ def test_preempted_request_recomputes_its_prompt_then_its_output():
     assert len(b.output_token_ids) == 2 and s.allocator.num_free == 1
 
 
+def test_a_preempted_remote_prefilled_request_is_recomputed_not_pulled_again():
+    """Its pull ended when it first ran; once preempted its KV is gone with its blocks
+    (seen on a GPU decode under load: the engine asked the connector for a finished pull)."""
+    s = _scheduler(3, block_size=16)
+    a = _add(s, "a", 16)
+    assert _items(_step(s)) == {"a": 16}
+    b = _add(s, "b", 15)
+    b.load_remote = True  # as the connector marks a remote-prefilled request
+    assert s.admit_loads().to_load == [b]
+    s.loaded(b, ok=True)  # the pull landed
+    b.token_ids.append(0)  # the prefill's first token
+    assert _items(_step(s)) == {"a": 1, "b": 1}
+    # b's 17th token needs a block: none is left and b is the newest, so it is preempted,
+    # then readmitted with its freed block and recomputed here, prompt first: no pull.
+    sched = _step(s)
+    assert sched.preempted == [b] and _items(sched) == {"a": 1, "b": 15}
+    assert not b.load_remote and not sched.to_load
+    _finish(s, a)
+    assert _items(_step(s)) == {"b": 2}  # then its output
+
+
 def test_max_num_seqs_caps_the_running_set():
     s = _scheduler(100, max_num_seqs=2)
     reqs = [_add(s, f"r{i}", 10) for i in range(4)]

@@ -1,18 +1,18 @@
-"""Cores that idle decode engines lend to a prefill engine on the same host.
+"""Cores that decode engines lend to a prefill engine on the same host.
 
 `pdserve up` gives each decode rank a core of its own, so that its steps never wait behind
 a prefill; but a decode with nothing to decode leaves that core idle, while a prefill on
 one core takes nearly twice as long as on two. So each decode engine (a `Lender`)
-publishes, in its byte of a small shared file (the board), how many threads it would lend
-(0 while it has work), and the prefill engine (the `Borrower`) reads the board before each
-step and each layer, and runs it on its own threads plus the idle decodes' cores. A
-decode that gets work mid-layer shares its core with one prefill thread until that layer
-ends (a few ms); the prefill runs at a lower priority, so the decode keeps most of it.
+publishes, in its byte of a small shared file (the board), how many threads it lends (0
+while it has work), and the prefill engine (the `Borrower`) reads the board before each
+step and at the model's checkpoints (before each layer's attention and each MLP GEMM, a few
+ms apart), and runs what follows on its own threads plus the lent cores. While a part runs
+on lent cores the prefill raises a flag on the board; a decode that gets work waits for it
+to drop before it steps, so neither ever waits on a thread that shares the other's core.
 
 While the prefill has a backlog (PACE_DEMAND prompts or more), a busy decode lends too: after
 each step it leaves its core to the prefill for as long as the step took, so decoding takes
-half its core and its batch grows to keep up, at about twice the inter-token latency. A
-decode takes its core back between the prefill's layers, never in the middle of one.
+half its core and its batch grows to keep up, at about twice the inter-token latency.
 
 `pdserve up` sets PDSERVE_CORE_LOAN (JSON) in the instances' environment:
 `{"board": path, "slot": i, "lend": n}` for a decode (rank r writes slot i + r), and
@@ -37,7 +37,7 @@ RECLAIM_TIMEOUT_S = 0.05  # a lender waits no longer for a layer to end (a prefi
 
 @dataclass(slots=True)
 class Lender:
-    """A decode engine's byte on its prefill's board: the threads it lends while idle."""
+    """A decode engine's byte on its prefill's board: the threads it lends now."""
     board: mmap.mmap
     slot: int
     lend: int
@@ -68,7 +68,7 @@ class Lender:
 
 @dataclass(slots=True)
 class Borrower:
-    """A prefill engine: its own cores and threads, plus what idle lenders offer now."""
+    """A prefill engine: its own cores and threads, plus what lenders offer now."""
     board: mmap.mmap
     own: set[int]
     lent: set[int]
@@ -89,8 +89,8 @@ class Borrower:
 
     def take(self) -> None:
         """Runs what follows on its own threads plus those lent now. Called before each
-        step and between the model's layers: a prefill step is hundreds of ms, and a decode
-        that goes idle (or gets work) mid-step is used (or left) from the next layer on."""
+        step and at the model's checkpoints: a prefill step is hundreds of ms, and a decode
+        that lends (or takes its core back) mid-step is used (or left) from the next one."""
         threads = self.threads + min(sum(self.board[LENDERS:]), len(self.lent))
         self._use(threads)
         self.borrowed |= threads > self.threads

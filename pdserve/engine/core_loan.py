@@ -49,11 +49,14 @@ class Lender:
         if busy:
             self._reclaim()
 
-    def after_step(self, step_s: float) -> None:
-        """Lend the core for as long as the step took while the prefill has a backlog."""
-        if self.board[DEMAND] >= PACE_DEMAND:
-            self._publish(self.lend)
-            time.sleep(step_s)
+    def after_step(self, step_s: float) -> float:
+        """Lend the core for as long as the step took while the prefill has a backlog;
+        returns the seconds lent."""
+        if self.board[DEMAND] < PACE_DEMAND:
+            return 0.0
+        self._publish(self.lend)
+        time.sleep(step_s)
+        return step_s
 
     def _publish(self, lent: int) -> None:
         if lent != self.published:
@@ -84,8 +87,8 @@ class Borrower:
         else:
             self._use(self.threads)
 
-    def after_step(self, step_s: float) -> None:
-        pass
+    def after_step(self, step_s: float) -> float:
+        return 0.0
 
     def take(self) -> None:
         """Runs what follows on its own threads plus those lent now. Called before each

@@ -74,8 +74,9 @@ class EngineLoop:
             if outputs:
                 self.deliver(outputs)
             if computed:
-                if self.loan is not None:
-                    self.loan.after_step(time.monotonic() - start)
+                if self.loan is not None and (lent := self.loan.after_step(
+                        time.monotonic() - start)):
+                    self.engine.metrics.loan_lent.inc(lent)
             elif not outputs:  # nothing ran: sleep until work arrives or a poll is due
                 self._wake.wait(self._idle_timeout())
                 self._wake.clear()

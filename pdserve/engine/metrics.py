@@ -38,8 +38,11 @@ class EngineMetrics:
                                     "Tokens found in the prefix cache (not recomputed)")
         self.preemptions = labelled(Counter, "pdserve_num_preemptions", "Preempted requests")
         self.loan_steps = labelled(Counter, "pdserve_core_loan_steps",
-                                   "Steps run on cores lent by idle decode engines "
+                                   "Steps run on cores lent by decode engines "
                                    "(pdserve up's core loan)")
+        self.loan_lent = labelled(Counter, "pdserve_core_loan_lent_seconds",
+                                  "Seconds a busy decode engine lent its core to a prefill "
+                                  "that fell behind (pdserve up's core loan)")
         self.ttft = labelled(Histogram, "pdserve_time_to_first_token_seconds",
                              "Time to first token", buckets=_LATENCY)
         self.itl = labelled(Histogram, "pdserve_inter_token_latency_seconds",

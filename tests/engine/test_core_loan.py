@@ -114,10 +114,12 @@ def test_a_busy_decode_lends_after_each_step_only_while_the_prefill_has_a_backlo
     lent_during_gap = []
     monkeypatch.setattr(core_loan.time, "sleep", lambda s: lent_during_gap.append(
         (s, sum(borrower.board[core_loan.LENDERS:]))))
+    lent = []
     for demand in range(core_loan.PACE_DEMAND + 2):
         _in_thread(lambda d=demand: borrower.before_step(busy=d > 0, demand=d))
         lender.before_step(busy=True)
-        lender.after_step(0.015)
+        lent.append(lender.after_step(0.015))
+    assert lent == [0.0] * core_loan.PACE_DEMAND + [0.015] * 2  # (for the metric)
     # One gap per step from the backlog on, as long as the step, with the core lent (the
     # short sleeps are the decode waiting for the prefill's layer on its core to end).
     assert [gap for gap in lent_during_gap if gap[0] > 0.001] == [(0.015, 1)] * 2

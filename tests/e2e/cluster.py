@@ -32,6 +32,16 @@ def proxy(prefill: Server, decode: Server, *args: str, **kw) -> Server:
                          "--decode", decode.url, *args], **kw)
 
 
+def remote_pd(prefill: str, decode: str, body: dict) -> httpx.Response:
+    """What the proxy does, for /v1/completions: the prefill with do_remote_decode (one
+    token), then the decode with the prefill's kv_transfer_params."""
+    r = httpx.post(prefill + "/v1/completions", timeout=120, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return httpx.post(decode + "/v1/completions", timeout=120, json={
+        **body, "kv_transfer_params": r.json()["kv_transfer_params"]})
+
+
 def stop(*servers: Server) -> None:
     for s in servers:
         s.stop()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.cluster import pools_whole
+from tests.e2e.cluster import pools_whole, remote_pd
 from tests.utils import free_port, metric, start_server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -39,11 +39,9 @@ def servers(model_folder):
             s.stop()
 
 
-def _complete(url: str, prompt: str, **kw) -> dict:
-    r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 0, **kw})
+def _tokens(r: httpx.Response) -> list[str]:
     assert r.status_code == 200, r.text
-    return r.json()
+    return r.json()["choices"][0]["logprobs"]["tokens"]
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("p_vram", "d_vram"), ("p_host", "d_host"),
@@ -53,10 +51,9 @@ def test_pd_matches_monolithic(servers, prefill, decode):
     pulled, computed = (metric(d, f"pdserve_{m}_total")
                         for m in ("kv_transfer_bytes", "prompt_tokens_computed"))
     for prompt in PROMPTS:
-        want = _complete(servers["mono"], prompt)["choices"][0]["logprobs"]["tokens"]
-        first = _complete(p, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        got = _complete(d, prompt, kv_transfer_params=first["kv_transfer_params"])
-        assert got["choices"][0]["logprobs"]["tokens"] == want, (prefill, decode, prompt)
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 0}
+        want = _tokens(httpx.post(servers["mono"] + "/v1/completions", timeout=120, json=body))
+        assert _tokens(remote_pd(p, d, body)) == want, (prefill, decode, prompt)
     assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled
     assert metric(d, "pdserve_prompt_tokens_computed_total") == computed  # all KV came over
     pools_whole(p, d)

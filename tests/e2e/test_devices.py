@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from tests.e2e.cluster import remote_pd
 from tests.utils import free_port, metric, start_server, wait_for_metric
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -44,14 +45,9 @@ def servers():
             s.stop()
 
 
-def _pd(prefill: str, decode: str, prompt: str, max_tokens: int = 20) -> httpx.Response:
-    """What the proxy does: prefill with do_remote_decode, then decode with its params."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(prefill + "/v1/completions", timeout=120, json={
-        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    assert r.status_code == 200, r.text
-    return httpx.post(decode + "/v1/completions", timeout=120, json={
-        **body, "kv_transfer_params": r.json()["kv_transfer_params"]})
+def _pd(prefill: str, decode: str, prompt: str) -> httpx.Response:
+    return remote_pd(prefill, decode, {"model": MODEL, "prompt": prompt, "max_tokens": 20,
+                                       "temperature": 0})
 
 
 def _text(r: httpx.Response) -> str:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.e2e.cluster import MODEL, healthy, kv_config, pools_whole, serve, stop
+from tests.e2e.cluster import MODEL, healthy, kv_config, pools_whole, remote_pd, serve, stop
 from tests.utils import PASSAGE, metric
 
 # Four requests of ~13 blocks each against a decode pool of 24 blocks.
@@ -18,13 +18,9 @@ MAX_TOKENS = 80
 
 
 def _pd(prefill: str, decode: str, prompt: str) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    r = httpx.post(prefill + "/v1/completions", timeout=120, json={
-        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    assert r.status_code == 200, r.text
-    return httpx.post(decode + "/v1/completions", timeout=120, json={
-        **body, "kv_transfer_params": r.json()["kv_transfer_params"]})
+    return remote_pd(prefill, decode, {"model": MODEL, "prompt": prompt,
+                                       "max_tokens": MAX_TOKENS, "temperature": 0,
+                                       "ignore_eos": True})
 
 
 def test_a_decode_out_of_blocks_recomputes_preempted_remote_requests():

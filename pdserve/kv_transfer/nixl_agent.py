@@ -49,15 +49,13 @@ def load_nixl() -> ModuleType:
     sees GPU memory as host memory and refuses it)."""
     import torch
 
-    cuda = torch.version.cuda  # None in a CPU build
-    first = [f"nixl_cu{cuda.split('.')[0]}"] if cuda else []
-    for name in dict.fromkeys([*first, "nixl_cu12", "nixl_cu13", "nixl"]):
+    major = torch.version.cuda.split(".")[0] if torch.version.cuda else "12"  # CPU build: 12
+    for name in dict.fromkeys([f"nixl_cu{major}", "nixl_cu12", "nixl_cu13", "nixl"]):
         try:
             return importlib.import_module(name + "._api")
         except ImportError:
             continue
-    wheel = f"nixl-cu{cuda.split('.')[0]}" if cuda else "nixl-cu12"
-    raise RuntimeError(f"NIXL is not installed: pip install --no-deps {wheel}")
+    raise RuntimeError(f"NIXL is not installed: pip install --no-deps nixl-cu{major}")
 
 
 def nvidia_gpus_present() -> bool:

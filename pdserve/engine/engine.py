@@ -91,6 +91,7 @@ class LLMEngine:
         self.detok: dict[str, Detokenizer] = {}
         self.connector = None
         self.last_step_computed = False  # did the last step run the model?
+        self.last_step_prefilled = False  # ... on prompt tokens (not only decodes)?
         if kv_config is not None:
             from pdserve.kv_transfer.factory import make_connector
             self.connector = make_connector(kv_config, self, registry, side_channel)
@@ -158,6 +159,8 @@ class LLMEngine:
             outputs += self._admitted(self.scheduler.admit_loads())
         sched = self.scheduler.schedule()
         outputs += self._admitted(sched)
+        self.last_step_prefilled = any(r.num_computed_tokens < r.num_prompt_tokens
+                                       for r, _ in sched.items)
         if sched.items:
             outputs += self._run(sched.items)
         self.last_step_computed = bool(sched.items)

@@ -27,9 +27,9 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
-        self.loan = core_loan.from_env(engine.dp_rank)
-        if isinstance(self.loan, core_loan.Borrower):  # (only single-rank engines borrow)
-            engine.runner.model.checkpoint = self.loan.take
+        self.lender, self.borrower = core_loan.from_env(engine.dp_rank)
+        if self.borrower is not None:  # (only single-rank engines borrow)
+            engine.runner.model.checkpoint = self.borrower.take
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -60,8 +60,7 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             computed = False
             busy = self.engine.has_work() or self._connector_busy()
-            if self.loan is not None:
-                self.loan.before_step(busy, self.engine.scheduler.num_unfinished)
+            self._before_step(busy)
             start = time.monotonic()
             if busy:
                 try:
@@ -69,17 +68,30 @@ class EngineLoop:
                     computed = self.engine.last_step_computed
                 except Exception:
                     outputs += self._fail_all(traceback.format_exc())
-                if computed and self.loan is not None and self.loan.borrowed:
+            if self.borrower is not None:
+                if computed and self.borrower.borrowed:
                     self.engine.metrics.loan_steps.inc()
+                self.borrower.after_step()
             if outputs:
                 self.deliver(outputs)
             if computed:
-                if self.loan is not None and (lent := self.loan.after_step(
-                        time.monotonic() - start)):
+                # A decode that prefilled a prompt itself (conditional disaggregation) keeps
+                # its core: lending would double that long step's stall of its streams.
+                if self.lender is not None and not self.engine.last_step_prefilled and (
+                        lent := self.lender.after_step(time.monotonic() - start)):
                     self.engine.metrics.loan_lent.inc(lent)
             elif not outputs:  # nothing ran: sleep until work arrives or a poll is due
                 self._wake.wait(self._idle_timeout())
                 self._wake.clear()
+
+    def _before_step(self, busy: bool) -> None:
+        """Settle the core loans: lend what this step will not use (and take it back from a
+        borrower first if it will), then borrow what is lent now."""
+        if self.lender is not None:
+            # Held blocks awaiting a pull keep an engine busy polling, but compute nothing.
+            self.lender.before_step(self.engine.has_work())
+        if self.borrower is not None:
+            self.borrower.before_step(busy, self.engine.scheduler.num_unfinished)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:

@@ -38,8 +38,9 @@ class EngineMetrics:
                                     "Tokens found in the prefix cache (not recomputed)")
         self.preemptions = labelled(Counter, "pdserve_num_preemptions", "Preempted requests")
         self.loan_steps = labelled(Counter, "pdserve_core_loan_steps",
-                                   "Steps run on cores lent by decode engines "
-                                   "(pdserve up's core loan)")
+                                   "Steps run on cores lent by other engines: a "
+                                   "prefill's by decodes, a decode's by an idle "
+                                   "prefill (pdserve up's core loan)")
         self.loan_lent = labelled(Counter, "pdserve_core_loan_lent_seconds",
                                   "Seconds a busy decode engine lent its core to a prefill "
                                   "that fell behind (pdserve up's core loan)")

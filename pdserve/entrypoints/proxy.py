@@ -65,8 +65,16 @@ class Sent:
     resp: httpx.Response
     start: float
     metrics: ProxyMetrics
+    local: bool  # a plain request to a decode, which prefills it (until prefilled())
+
+    def prefilled(self) -> None:
+        """Its first token is back (or it ended without one)."""
+        if self.local:
+            self.local = False
+            self.backend.local_prefills -= 1
 
     def finish(self) -> None:
+        self.prefilled()
         self.backend.outstanding -= 1
         labels = (self.backend.url, self.pool.name)
         self.metrics.backend_seconds.labels(*labels).observe(time.monotonic() - self.start)
@@ -95,8 +103,9 @@ class Proxy:
         return h
 
     async def post(self, pool: Pool, path: str, body: dict, request_id: str,
-                   stream: bool, key: bytes | None = None) -> Sent:
-        """POST to the first backend of `pool` that answers; BackendDown if none does."""
+                   stream: bool, key: bytes | None = None, local: bool = False) -> Sent:
+        """POST to the first backend of `pool` that answers; BackendDown if none does.
+        `local`: a plain request to a decode, counted in its local_prefills from now."""
         tried = []
         # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
         # (json.loads took them); the backend judges the body, not the proxy.
@@ -109,6 +118,7 @@ class Proxy:
             req = self.client.build_request("POST", b.url + path, content=content,
                                             headers=headers)
             b.outstanding += 1
+            b.local_prefills += local
             start = time.monotonic()
             try:
                 resp = await self.client.send(req, stream=stream)
@@ -117,18 +127,18 @@ class Proxy:
                 # has told that prefill to free it (_exchange starts over instead).
                 b.mark(reachable=resp.status_code != 503)
                 if resp.status_code != 503 or b is backends[-1] or _pulls_kv(body):
-                    return Sent(b, pool, resp, start, self.metrics)
+                    return Sent(b, pool, resp, start, self.metrics, local)
                 await resp.aclose()
-                b.outstanding -= 1
+                b.unsent(local)
                 self.metrics.retries.labels(b.url, pool.name).inc()
                 tried.append(f"{b.url} (503)")
                 request_log(request_id).warning("%s backend %s answered 503; trying the next",
                                                 pool.name, b.url)
             except asyncio.CancelledError:  # our client went away
-                b.outstanding -= 1
+                b.unsent(local)
                 raise
             except httpx.TransportError as e:
-                b.outstanding -= 1
+                b.unsent(local)
                 b.mark(reachable=False)
                 self.metrics.retries.labels(b.url, pool.name).inc()
                 tried.append(f"{b.url} ({type(e).__name__})")
@@ -242,7 +252,8 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
     rlog = request_log(request_id)
     tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None
     key = prefix_key(tokens, proxy.prefix_tokens)
-    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill)
+    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill,
+                                       proxy.decode)
     try:
         if reason is None:
             try:
@@ -256,7 +267,7 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
             proxy.metrics.routes.labels("local", reason).inc()
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             return await _decode(proxy, path, body, request_id, stream, key,
-                                 f"local prefill ({reason})")
+                                 f"local prefill ({reason})", local=True)
         proxy.metrics.routes.labels("remote", "disaggregated").inc()
         if error is not None:
             rlog.info("prefill %s answered %d", via, error.status_code)
@@ -331,8 +342,11 @@ async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str, key: by
 
 
 async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: bool,
-                  key: bytes | None, via: str) -> Response:
-    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=key)
+                  key: bytes | None, via: str, local: bool = False) -> Response:
+    """Send `body` to a decode and relay its answer; `local`: a plain request, which the
+    decode prefills itself (counted in its local_prefills until its first token is back)."""
+    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=key,
+                            local=local)
     resp = sent.resp
     request_log(request_id).info("%s -> decode %s answered %d", via, sent.backend.url,
                                  resp.status_code)
@@ -347,6 +361,7 @@ async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: 
     async def relay():
         try:
             async for chunk in resp.aiter_raw():
+                sent.prefilled()
                 yield chunk
         finally:  # also when the client goes away: closing aborts the decode's request
             sent.finish()

@@ -36,6 +36,9 @@ class ProxyMetrics:
         queue = Gauge("pdserve_proxy_backend_queue", "A backend's queue as routing sees it: "
                       "in flight here, or its reported waiting requests if more", _BACKEND,
                       registry=r)
+        local = Gauge("pdserve_proxy_backend_local_prefills", "Plain requests at a decode "
+                      "that it is prefilling itself (first token not yet back)", _BACKEND,
+                      registry=r)
         up = Gauge("pdserve_proxy_backend_up", "0 while a backend that was unreachable is "
                    "tried last (for a few seconds after)", _BACKEND, registry=r)
         for pool in pools:
@@ -43,6 +46,7 @@ class ProxyMetrics:
                 up.labels(b.url, pool.name).set_function(_getter(b, "up"))
                 outstanding.labels(b.url, pool.name).set_function(_getter(b, "outstanding"))
                 queue.labels(b.url, pool.name).set_function(_getter(b, "queue"))
+                local.labels(b.url, pool.name).set_function(_getter(b, "local_prefills"))
 
 
 def _getter(backend: Backend, attr: str):

@@ -27,11 +27,17 @@ class Backend:
     index: int = 0  # position in its pool: the prefix hash is keyed by it, not the URL
     outstanding: int = 0  # requests this proxy has sent and not yet finished
     reported_waiting: int = 0  # the backend's own pdserve_num_requests_waiting, polled
+    local_prefills: int = 0  # a decode's: plain requests sent, first token not yet back
     down_until: float = 0.0  # monotonic time; set when it was unreachable
 
     @property
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
+
+    def unsent(self, local: bool) -> None:
+        """A request counted in flight here did not get through."""
+        self.outstanding -= 1
+        self.local_prefills -= local
 
     def mark(self, reachable: bool) -> None:
         self.down_until = 0.0 if reachable else time.monotonic() + DOWN_SECONDS
@@ -96,7 +102,8 @@ class Disaggregation:
     local_prefill_below: int | None = None  # prompt tokens
     max_prefill_queue: int | None = None
 
-    def local_reason(self, num_tokens: int | None, prefill: Pool) -> str | None:
+    def local_reason(self, num_tokens: int | None, prefill: Pool, decode: Pool
+                     ) -> str | None:
         """Why this prompt should be prefilled on the decode, or None to disaggregate."""
         if self.local_prefill_below is not None and num_tokens is not None \
                 and num_tokens < self.local_prefill_below:
@@ -106,7 +113,10 @@ class Disaggregation:
         live = [b for b in prefill.backends if b.up]
         if not live:  # every prefill refused a connection just now: the decodes can serve
             return "prefill_down"
-        if all(b.queue > self.max_prefill_queue for b in live):
+        # Overflow only while the prefills stay deeper than the decodes' own prefill queues:
+        # under a burst both tiers prefill, neither left idle while the other has a queue.
+        local = min((b.local_prefills for b in decode.backends if b.up), default=0)
+        if all(b.queue > self.max_prefill_queue + local for b in live):
             return "prefill_busy"
         return None
 
@@ -166,11 +176,16 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "this many requests in flight beyond the idlest")
     p.add_argument("--local-prefill-below", type=int, default=None, metavar="N",
                    help="prompts under N tokens go straight to a decode, which prefills them")
-    p.add_argument("--max-prefill-queue", type=int, default=None, metavar="N",
-                   help="while every prefill has more than N requests queued or in flight, "
-                        "send new ones straight to a decode")
+    p.add_argument("--max-prefill-queue", type=_queue_limit, default=None, metavar="N",
+                   help="while every prefill has more than N requests queued or in flight "
+                        "beyond those the decodes are prefilling themselves, send new ones "
+                        "straight to a decode ('off': never)")
     p.add_argument("--tokenizer", default=None, help="the served model's HF folder or .gguf, "
                    "to count prompt tokens (default: the embedded model)")
+
+
+def _queue_limit(value: str) -> int | None:
+    return None if value == "off" else int(value)
 
 
 def check_routing_args(args: argparse.Namespace) -> str | None:

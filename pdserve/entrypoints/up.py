@@ -21,6 +21,7 @@ from pdserve.engine import core_loan
 from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
 
 log = logging.getLogger("pdserve.up")
+UP_MAX_PREFILL_QUEUE = 2  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
 LOAN_NICE = 10  # a prefill's, where it borrows decodes' cores: on them the decode comes first
 
 
@@ -55,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--base-port", type=int, default=8100, help="first instance's HTTP port")
     p.add_argument("--side-channel-base-port", type=int, default=5600)
     add_routing_args(p)
+    # Where the prefills fall behind, the decodes prefill the overflow themselves (as a
+    # monolith would) rather than sit on spare compute while TTFT grows without bound.
+    p.set_defaults(max_prefill_queue=UP_MAX_PREFILL_QUEUE)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--core-loan", action=argparse.BooleanOptionalAction, default=True,
@@ -87,7 +91,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str], boards: str | None = 
             if loan := loans.get(f"{role}{i}"):
                 env[core_loan.ENV] = json.dumps(loan)
                 if role == "prefill":
-                    cpus, nice = cpus | set(loan["lent"]), LOAN_NICE
+                    cpus, nice = cpus | set(loan["borrow"]["cpus"]), LOAN_NICE
             argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
                     "--host", args.host, "--port", str(port),
                     "--kv-transfer-config", json.dumps(kv), "--data-parallel-size", str(dp),
@@ -138,23 +142,30 @@ def share_cores(cpus: list[int], prefills: int, prefill_ranks: int, decodes: int
 
 def plan_loans(args: argparse.Namespace, cores: dict, boards: str) -> dict[str, dict]:
     """Each instance's core-loan spec (engine/core_loan.py), and the boards, made in folder
-    `boards`: decode j lends its cores to prefill j % P, the (j // P)-th decode on that
-    prefill's board, with a slot per rank (the board has a byte per lent core, at least as
-    many). Only prefills with cores of their own and a single engine (no ranks to split a
-    loan between) borrow."""
+    `boards` and named for their borrower: decode j lends its cores to prefill j % P, the
+    (j // P)-th decode on that prefill's board, with a slot per rank (the board has a byte
+    per lent core, at least as many); a prefill that serves a single decode of one rank
+    lends that decode its own cores. Only prefills with cores of their own and a single
+    engine (no ranks to split a loan between) take part."""
     if args.prefill_dp * args.prefill_tp > 1 or any(c is None for c, _, _ in cores["prefill"]):
         return {}
     loans: dict[str, dict] = {}
     for j, (cpus, threads, _) in enumerate(cores["decode"]):
-        prefill = loans.setdefault(f"prefill{j % args.prefill}", {
-            "board": os.path.join(boards, f"prefill{j % args.prefill}"), "lent": []})
-        loans[f"decode{j}"] = {"board": prefill["board"],
-                               "slot": j // args.prefill * args.decode_dp,
-                               "lend": threads * args.decode_tp}
-        prefill["lent"] += sorted(cpus)
-    for name, loan in loans.items():
-        if name.startswith("prefill"):
-            core_loan.new_board(loan["board"], len(loan["lent"]))
+        prefill = loans.setdefault(f"prefill{j % args.prefill}", {"borrow": {
+            "board": os.path.join(boards, f"prefill{j % args.prefill}"), "cpus": []}})
+        loans[f"decode{j}"] = {"lend": {"board": prefill["borrow"]["board"],
+                                        "slot": j // args.prefill * args.decode_dp,
+                                        "threads": threads * args.decode_tp, "paced": True}}
+        prefill["borrow"]["cpus"] += sorted(cpus)
+    if args.decode <= args.prefill and args.decode_dp * args.decode_tp == 1:
+        for j in range(args.decode):
+            cpus, threads, _ = cores["prefill"][j]
+            board = os.path.join(boards, f"decode{j}")
+            loans[f"decode{j}"]["borrow"] = {"board": board, "cpus": sorted(cpus)}
+            loans[f"prefill{j}"]["lend"] = {"board": board, "slot": 0, "threads": threads,
+                                            "paced": False}
+    for borrow in (loan["borrow"] for loan in loans.values() if "borrow" in loan):
+        core_loan.new_board(borrow["board"], len(borrow["cpus"]))
     return loans
 
 

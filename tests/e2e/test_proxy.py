@@ -166,6 +166,28 @@ def test_busy_prefill_tier_sends_new_requests_to_the_decode(cluster):
     pools_whole(p0, d0)
 
 
+def test_overflow_waits_while_the_decode_prefills_one_of_its_own(cluster):
+    """--max-prefill-queue 0 with one prompt on the prefill and one the decode is
+    prefilling itself: the next is not > 0 + 1 deep, so it is disaggregated, not piled
+    onto the decode."""
+    cond, p0, d0, ref = cluster["cond"].url, cluster["p0"], cluster["d0"], cluster["d1"]
+    mid = PASSAGE[:300]
+    want = _tokens(_complete(ref, mid))
+    remote_before = _route(cond, "remote", "disaggregated")
+    busy_before = _route(cond, "local", "prefill_busy")
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(_complete, cond, "Held: " + LONG, 2)
+        _wait(lambda: metric(cond, "pdserve_proxy_backend_outstanding", role="prefill") == 1)
+        local = pool.submit(_complete, cond, "Local: " + LONG, 2)
+        _wait(lambda: metric(cond, "pdserve_proxy_backend_local_prefills", role="decode") == 1)
+        assert _route(cond, "local", "prefill_busy") - busy_before == 1
+        assert _tokens(_complete(cond, mid)) == want
+        assert _route(cond, "remote", "disaggregated") - remote_before == 2  # held and mid
+        assert held.result().status_code == 200 and local.result().status_code == 200
+    assert metric(cond, "pdserve_proxy_backend_local_prefills", role="decode") == 0
+    pools_whole(p0, d0)
+
+
 def test_with_no_prefill_reachable_the_decode_serves_alone(cluster):
     overflow, d0, ref, dead = (cluster["overflow"].url, cluster["d0"], cluster["d1"],
                                cluster["dead"])

@@ -1,4 +1,5 @@
-"""Core loans between a decode engine and a prefill engine through a shared board."""
+"""Core loans between engines on one host through a shared board: a decode lends to a
+prefill (paced while the prefill has a backlog), a prefill to its lone decode (only idle)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,20 @@ needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                      reason="needs two cores to lend one")
 
 
-def _loan(monkeypatch, spec: dict, dp_rank: int = 0):
+def _lender(monkeypatch, board: str, slot: int = 0, threads: int = 1, paced: bool = True,
+            dp_rank: int = 0) -> core_loan.Lender:
+    spec = {"lend": {"board": board, "slot": slot, "threads": threads, "paced": paced}}
     monkeypatch.setenv(core_loan.ENV, json.dumps(spec))
-    return core_loan.from_env(dp_rank)
+    lender, borrower = core_loan.from_env(dp_rank)
+    assert borrower is None
+    return lender
+
+
+def _borrower(monkeypatch, board: str, cpus: list[int]) -> core_loan.Borrower:
+    monkeypatch.setenv(core_loan.ENV, json.dumps({"borrow": {"board": board, "cpus": cpus}}))
+    lender, borrower = core_loan.from_env()
+    assert lender is None
+    return borrower
 
 
 def _in_thread(fn):
@@ -33,7 +45,7 @@ def _in_thread(fn):
 
 def test_no_loan_without_the_environment(monkeypatch):
     monkeypatch.delenv(core_loan.ENV, raising=False)
-    assert core_loan.from_env() is None
+    assert core_loan.from_env() == (None, None)
 
 
 def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, monkeypatch):
@@ -41,11 +53,9 @@ def test_lenders_publish_what_they_lend_while_idle_in_their_rank_slot(tmp_path, 
     core_loan.new_board(str(board), 3)
     empty = bytes(core_loan.LENDERS + 3)
     assert board.read_bytes() == empty  # nothing lent before a decode says it is idle
-    rank1 = _loan(monkeypatch, {"board": str(board), "slot": 1, "lend": 2}, dp_rank=1)
-    assert isinstance(rank1, core_loan.Lender)
+    rank1 = _lender(monkeypatch, str(board), slot=1, threads=2, dp_rank=1)
     rank1.before_step(busy=False)
     assert board.read_bytes() == bytes(core_loan.LENDERS) + bytes([0, 0, 2])
-    assert not rank1.borrowed
     rank1.before_step(busy=True)
     assert board.read_bytes() == empty
 
@@ -57,14 +67,13 @@ def test_the_borrower_takes_idle_cores_and_leaves_them_when_lenders_are_busy(tmp
     own, lent = set(cores[:-1]), {cores[-1]}
     board = str(tmp_path / "board")
     core_loan.new_board(board, 1)
-    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
+    lender = _lender(monkeypatch, board)
     threads = torch.get_num_threads()
-    borrower = _loan(monkeypatch, {"board": board, "lent": sorted(lent)})
-    assert isinstance(borrower, core_loan.Borrower)
+    borrower = _borrower(monkeypatch, board, sorted(lent))
     assert borrower.own == own and borrower.threads == threads
 
     def step():
-        borrower.before_step(busy=True)
+        borrower.before_step(busy=True, demand=1)
         return borrower.borrowed, torch.get_num_threads(), os.sched_getaffinity(0)
 
     assert _in_thread(step) == (False, threads, own)  # the lender has not said it is idle
@@ -81,13 +90,13 @@ def test_the_borrower_follows_the_lender_between_layers(tmp_path, monkeypatch):
     counting as borrowed after the lender takes its core back."""
     board = str(tmp_path / "board")
     core_loan.new_board(board, 1)
-    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
-    borrower = _loan(monkeypatch, {"board": board, "lent": [max(os.sched_getaffinity(0))]})
+    lender = _lender(monkeypatch, board)
+    borrower = _borrower(monkeypatch, board, [max(os.sched_getaffinity(0))])
     threads = torch.get_num_threads()
 
     def step():
         seen = []
-        borrower.before_step(busy=True)
+        borrower.before_step(busy=True, demand=1)
         seen.append(torch.get_num_threads())
         lender.before_step(busy=False)  # the decode finishes its last request mid-prefill
         borrower.take()  # the next layer
@@ -100,11 +109,11 @@ def test_the_borrower_follows_the_lender_between_layers(tmp_path, monkeypatch):
     assert _in_thread(step) == ([threads, threads + 1, threads], True)
 
 
-def _pair(tmp_path, monkeypatch):
+def _pair(tmp_path, monkeypatch, paced: bool = True):
     board = str(tmp_path / "board")
     core_loan.new_board(board, 1)
-    lender = _loan(monkeypatch, {"board": board, "slot": 0, "lend": 1})
-    borrower = _loan(monkeypatch, {"board": board, "lent": [max(os.sched_getaffinity(0))]})
+    lender = _lender(monkeypatch, board, paced=paced)
+    borrower = _borrower(monkeypatch, board, [max(os.sched_getaffinity(0))])
     return lender, borrower
 
 
@@ -162,3 +171,33 @@ def test_an_idle_prefill_borrows_nothing_and_says_so(tmp_path, monkeypatch):
     lender.before_step(busy=False)
     _in_thread(lambda: borrower.before_step(busy=False, demand=0))
     assert borrower.board[core_loan.BORROWING] == 0 and borrower.board[core_loan.DEMAND] == 0
+
+
+def test_an_unpaced_lender_lends_only_while_idle_whatever_the_backlog(tmp_path, monkeypatch):
+    """A prefill lends its core to its decode when it has no prompt; a decode's backlog
+    (many sequences to decode) never makes a busy prefill give its core away."""
+    lender, borrower = _pair(tmp_path, monkeypatch, paced=False)
+    _in_thread(lambda: borrower.before_step(busy=True, demand=core_loan.PACE_DEMAND + 5))
+    lender.before_step(busy=True)
+    assert lender.after_step(0.015) == 0.0
+    assert sum(borrower.board[core_loan.LENDERS:]) == 0
+
+
+@needs_two_cores
+def test_the_borrower_leaves_the_lent_cores_between_steps(tmp_path, monkeypatch):
+    """A decode that stepped on an idle prefill's core and then waits (idle, or lending its
+    own core) must not keep the flag up: the prefill, given a prompt, would wait for it."""
+    lender, borrower = _pair(tmp_path, monkeypatch, paced=False)
+    lender.before_step(busy=False)
+
+    def step():
+        borrower.before_step(busy=True, demand=1)
+        during = borrower.board[core_loan.BORROWING], torch.get_num_threads()
+        borrower.after_step()
+        return during, (borrower.board[core_loan.BORROWING], torch.get_num_threads())
+
+    threads = borrower.threads
+    assert _in_thread(step) == ((1, threads + 1), (0, threads))
+    start = time.monotonic()
+    lender.before_step(busy=True)  # a prompt arrives: nothing to wait for
+    assert time.monotonic() - start < 0.01

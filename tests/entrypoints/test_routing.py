@@ -50,21 +50,40 @@ def test_prefix_key_is_the_leading_tokens():
 
 
 def test_local_prefill_by_length_and_by_queue():
-    pool = _pool("round_robin", n=2)
+    pool, decodes = _pool("round_robin", n=2), _pool("round_robin", n=1)
     d = Disaggregation(local_prefill_below=10, max_prefill_queue=1)
-    assert d.local_reason(9, pool) == "short_prompt"
-    assert d.local_reason(10, pool) is None and d.local_reason(None, pool) is None
+    assert d.local_reason(9, pool, decodes) == "short_prompt"
+    assert d.local_reason(10, pool, decodes) is None
+    assert d.local_reason(None, pool, decodes) is None
     pool.backends[0].outstanding = 2
-    assert d.local_reason(50, pool) is None  # one prefill still has room
+    assert d.local_reason(50, pool, decodes) is None  # one prefill still has room
     pool.backends[1].reported_waiting = 2  # other clients' queue, seen in its /metrics
-    assert d.local_reason(50, pool) == "prefill_busy"
+    assert d.local_reason(50, pool, decodes) == "prefill_busy"
     pool.backends[0].outstanding = 0
-    assert d.local_reason(50, pool) is None
+    assert d.local_reason(50, pool, decodes) is None
     pool.backends[0].mark(reachable=False)  # room there, but it is down: does not count
-    assert d.local_reason(50, pool) == "prefill_busy"
+    assert d.local_reason(50, pool, decodes) == "prefill_busy"
     pool.backends[1].mark(reachable=False)
-    assert d.local_reason(50, pool) == "prefill_down"
-    assert Disaggregation().local_reason(1, pool) is None  # off by default
+    assert d.local_reason(50, pool, decodes) == "prefill_down"
+    assert Disaggregation().local_reason(1, pool, decodes) is None  # off by default
+
+
+def test_overflow_stops_while_the_decodes_prefill_as_many_themselves():
+    """Under a burst both tiers prefill: a decode already prefilling k prompts of its own
+    takes another only while every prefill holds more than N + k."""
+    prefills, decodes = _pool("round_robin", n=1), _pool("round_robin", n=2)
+    d = Disaggregation(max_prefill_queue=2)
+    prefills.backends[0].outstanding = 4
+    decodes.backends[0].local_prefills = 1
+    assert d.local_reason(50, prefills, decodes) == "prefill_busy"  # decode 1 has none
+    decodes.backends[1].local_prefills = 2
+    assert d.local_reason(50, prefills, decodes) == "prefill_busy"  # 4 > 2 + 1
+    decodes.backends[0].local_prefills = 2
+    assert d.local_reason(50, prefills, decodes) is None  # 4 is not > 2 + 2
+    decodes.backends[0].mark(reachable=False)  # only decode 1 counts, with 2 of its own
+    assert d.local_reason(50, prefills, decodes) is None
+    prefills.backends[0].outstanding = 5
+    assert d.local_reason(50, prefills, decodes) == "prefill_busy"
 
 
 @pytest.fixture(scope="module")
@@ -107,4 +126,8 @@ def test_up_passes_the_routing_flags_to_its_proxy():
     proxy = up.plan(args, [])[-1].argv
     flags = " ".join(proxy[proxy.index("proxy"):])
     assert "--policy prefix" in flags and "--local-prefill-below 128" in flags
-    assert "--tokenizer /m/x.gguf" in flags and "--max-prefill-queue" not in flags
+    assert f"--max-prefill-queue {up.UP_MAX_PREFILL_QUEUE}" in flags  # up's default
+    assert "--tokenizer /m/x.gguf" in flags
+    args = sub.choices["up"].parse_args(["--max-prefill-queue", "off"])
+    proxy = up.plan(args, [])[-1].argv
+    assert "--max-prefill-queue" not in proxy  # the proxy's default: never

@@ -74,25 +74,47 @@ def _loan(inst: up.Instance) -> dict | None:
 def test_the_prefill_borrows_the_decode_core_at_lower_priority(tmp_path, monkeypatch):
     insts = _plan([], {0, 1}, str(tmp_path), monkeypatch)
     board = str(tmp_path / "prefill0")
-    assert _loan(insts["decode0"]) == {"board": board, "slot": 0, "lend": 1}
+    assert _loan(insts["decode0"])["lend"] == {"board": board, "slot": 0, "threads": 1,
+                                               "paced": True}
     assert insts["decode0"].cpus == {1} and insts["decode0"].nice == 0
-    assert _loan(insts["prefill0"]) == {"board": board, "lent": [1]}
+    assert _loan(insts["prefill0"])["borrow"] == {"board": board, "cpus": [1]}
     assert insts["prefill0"].cpus == {0, 1} and insts["prefill0"].nice == up.LOAN_NICE
     assert insts["proxy"].cpus == {0}  # the proxy stays off the decode's core
     assert (tmp_path / "prefill0").read_bytes() == bytes(core_loan.LENDERS + 1)  # all busy at first
 
 
+def test_a_prefill_lends_its_cores_to_its_lone_decode_only_while_idle(tmp_path, monkeypatch):
+    insts = _plan([], {0, 1, 2}, str(tmp_path), monkeypatch)
+    board = str(tmp_path / "decode0")
+    assert _loan(insts["prefill0"])["lend"] == {"board": board, "slot": 0, "threads": 2,
+                                                "paced": False}
+    assert _loan(insts["decode0"])["borrow"] == {"board": board, "cpus": [0, 1]}
+    # The decode's process stays on its core: only its engine thread widens, while lent.
+    assert insts["decode0"].cpus == {2}
+    assert (tmp_path / "decode0").read_bytes() == bytes(core_loan.LENDERS + 2)
+
+
 def test_each_decode_lends_to_one_prefill_a_slot_per_rank(tmp_path, monkeypatch):
     insts = _plan(["--prefill", "2", "--decode", "2", "--decode-dp", "2"], set(range(8)),
                   str(tmp_path), monkeypatch)
-    assert [_loan(insts[f"decode{j}"])["board"] for j in range(2)] == [
-        str(tmp_path / "prefill0"), str(tmp_path / "prefill1")]
-    assert _loan(insts["prefill0"])["lent"] == sorted(insts["decode0"].cpus)
-    assert _loan(insts["prefill1"])["lent"] == sorted(insts["decode1"].cpus)
+    lends = [_loan(insts[f"decode{j}"])["lend"] for j in range(2)]
+    assert [lend["board"] for lend in lends] == [str(tmp_path / "prefill0"),
+                                                 str(tmp_path / "prefill1")]
+    assert _loan(insts["prefill0"])["borrow"]["cpus"] == sorted(insts["decode0"].cpus)
+    assert _loan(insts["prefill1"])["borrow"]["cpus"] == sorted(insts["decode1"].cpus)
     assert len((tmp_path / "prefill0").read_bytes()) == core_loan.LENDERS + 2  # decode0's ranks
+    # A decode of several ranks borrows nothing: which rank would take the prefill's cores?
+    assert not any("borrow" in _loan(insts[f"decode{j}"]) for j in range(2))
+    assert not any("lend" in _loan(insts[f"prefill{j}"]) for j in range(2))
     one = _plan(["--decode", "2", "--decode-dp", "2"], set(range(8)), str(tmp_path),
                 monkeypatch)
-    assert [_loan(one[f"decode{j}"])["slot"] for j in range(2)] == [0, 2]  # after decode0's
+    assert [_loan(one[f"decode{j}"])["lend"]["slot"] for j in range(2)] == [0, 2]  # after decode0's
+
+
+def test_a_prefill_serving_two_decodes_lends_to_neither(tmp_path, monkeypatch):
+    insts = _plan(["--decode", "2"], {0, 1, 2}, str(tmp_path), monkeypatch)
+    assert "lend" not in _loan(insts["prefill0"])
+    assert not any("borrow" in _loan(insts[f"decode{j}"]) for j in range(2))
 
 
 def test_no_loans_for_prefills_with_ranks_or_when_turned_off(tmp_path, monkeypatch):

@@ -22,10 +22,11 @@ from pathlib import Path
 from pdserve.bench import serve
 from pdserve.bench.launch import free_port, launched, up_layout
 
-LAYOUTS = ("tp1", "tp2", "dp2", "1p1d", "1p1d-cond")
-# `pdserve up` layouts and their flags: 1p1d-cond prefills short prompts, and every prompt
-# while the prefill already queues one, on the decode (conditional disaggregation).
-UP_LAYOUTS = {"1p1d": [],
+LAYOUTS = ("tp1", "tp2", "dp2", "1p1d", "1p1d-strict", "1p1d-cond")
+# `pdserve up` layouts and their flags: 1p1d-strict never prefills on the decode (up's
+# default overflows a saturated prefill tier there); 1p1d-cond prefills short prompts,
+# and every prompt while the prefill already queues one, on the decode.
+UP_LAYOUTS = {"1p1d": [], "1p1d-strict": ["--max-prefill-queue", "off"],
               "1p1d-cond": ["--local-prefill-below", "128", "--max-prefill-queue", "1"]}
 
 

@@ -94,10 +94,14 @@ def build_engine(args: argparse.Namespace, w: Workload, batches: list[int],
                       _blocks(max(prefills, default=0) + 1))
     max_len = max(len(p) + o for p, o in zip(w.prompts, w.output_lens, strict=True))
     seqs = args.max_num_seqs or max(args.num_seqs, *batches, 1)
+    # No prefix cache: each attention path times the same prompts, and a cached prompt's
+    # prefill would time nothing (random prompts share no prefixes, so the throughput run
+    # loses nothing).
     return LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed))
+        max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed,
+        enable_prefix_caching=False))
 
 
 def run_engine(engine: LLMEngine, w: Workload, tag: str = "seq") -> float:

@@ -35,6 +35,20 @@ def test_tiny_run_prints_both_tables(capsys):
     assert out.count("torch / kernel") == 2
 
 
+def test_each_attention_path_times_a_prefill_it_computes():
+    """Both paths time the same prompts: a prefix-cache hit on the second would time a
+    prefill that computes nothing (it did: the torch path's 512-token prefill read 20 ms)."""
+    args = offline._parse(["--num-seqs", "1", "--min-input", "8", "--max-input", "8",
+                           "--min-output", "2", "--max-output", "2", "--decode-batches", "",
+                           "--prefill-lens", "40", "--prefill-runs", "2", "--skip-hf"])
+    engine = offline.build_engine(args, offline.make_workload(args), [], [40])
+    computed, run = [], engine.runner.run
+    engine.runner.run = lambda items: (computed.append(sum(n for _, n in items)), run(items))[1]
+    times = offline.attention_paths(engine, lambda n: offline.prefill_ms(engine, args, n), [40])
+    assert len(times) == (2 if engine.runner.model.paged else 1)
+    assert computed == [40] * 2 * len(times)
+
+
 def test_bad_lengths_are_refused(capsys):
     assert offline.main(["--min-input", "10", "--max-input", "5", "--skip-hf"]) == 2
     assert "min <= max" in capsys.readouterr().err

@@ -105,12 +105,14 @@ def _run(url: str, kind: str, prompt, stream: bool = False) -> dict:
 
 
 def test_one_at_a_time_identical_to_monolithic(setup):
-    """One request at a time, so the decode is idle at every prefill and lends its core:
-    the prefill's steps run on two threads (core loan) and still match the monolith."""
+    """One request at a time, so the decode is idle at every prefill and lends its core,
+    and the prefill idle at every decode step and lends its own: both run on two threads
+    (core loan) and still match the monolith."""
     dtype, mono, up, prefill, decode = setup
     bytes_before = metric(decode, "pdserve_kv_transfer_bytes_total")
     computed_before = metric(decode, "pdserve_prompt_tokens_computed_total")
     loan_steps = metric(prefill, "pdserve_core_loan_steps_total")
+    decode_loan_steps = metric(decode, "pdserve_core_loan_steps_total")
     for kind, prompt in _cases():
         want = _run(mono.url, kind, prompt)
         for stream in (False, True):
@@ -121,6 +123,7 @@ def test_one_at_a_time_identical_to_monolithic(setup):
     assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed_before
     assert metric(decode, "pdserve_kv_transfer_bytes_total") > bytes_before
     assert metric(prefill, "pdserve_core_loan_steps_total") > loan_steps
+    assert metric(decode, "pdserve_core_loan_steps_total") > decode_loan_steps
     _assert_pools_whole(prefill, decode)
 
 

@@ -140,11 +140,13 @@ def test_unequal_tp_with_nhd_is_refused_at_handshake(servers, nhd_decode):
 
 @pytest.fixture(scope="module")
 def up_dp2_tp2(tiny_llama):
-    """`pdserve up`: a DP2 x TP2 prefill (four ranks), a TP1 decode, the proxy."""
+    """`pdserve up`: a DP2 x TP2 prefill (four ranks), a TP1 decode, the proxy. Strict tiers
+    (no overflow to the decode): every prompt of a burst must go through the handover."""
     port, base, side = free_port(), free_port(count=2), free_port(count=5)
     server = start_server(
         ["up", "--model", str(tiny_llama), "--dtype", "float32", "--num-kv-blocks", "64",
          "--kv-layout", "HND", "--prefill-dp", "2", "--prefill-tp", "2", "--decode-tp", "1",
+         "--max-prefill-queue", "off",
          "--port", str(port), "--base-port", str(base), "--side-channel-base-port", str(side)],
         url=f"http://127.0.0.1:{port}", timeout=300, ready=lambda s: all(
             httpx.get(f"http://127.0.0.1:{p}/health", timeout=1).status_code == 200

@@ -176,16 +176,21 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "this many requests in flight beyond the idlest")
     p.add_argument("--local-prefill-below", type=int, default=None, metavar="N",
                    help="prompts under N tokens go straight to a decode, which prefills them")
-    p.add_argument("--max-prefill-queue", type=_queue_limit, default=None, metavar="N",
+    p.add_argument("--max-prefill-queue", type=_queue_limit, default="off", metavar="N",
                    help="while every prefill has more than N requests queued or in flight "
                         "beyond those the decodes are prefilling themselves, send new ones "
-                        "straight to a decode ('off': never)")
+                        "straight to a decode ('off': never; default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="the served model's HF folder or .gguf, "
                    "to count prompt tokens (default: the embedded model)")
 
 
 def _queue_limit(value: str) -> int | None:
-    return None if value == "off" else int(value)
+    if value == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', not {value!r}") from None
 
 
 def check_routing_args(args: argparse.Namespace) -> str | None:

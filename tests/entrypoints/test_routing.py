@@ -131,3 +131,20 @@ def test_up_passes_the_routing_flags_to_its_proxy():
     args = sub.choices["up"].parse_args(["--max-prefill-queue", "off"])
     proxy = up.plan(args, [])[-1].argv
     assert "--max-prefill-queue" not in proxy  # the proxy's default: never
+
+
+def test_max_prefill_queue_takes_a_number_or_off(capsys):
+    import argparse
+
+    from pdserve.entrypoints import proxy
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    proxy.add_parser(sub)
+    parse = sub.choices["proxy"].parse_args
+    base = ["--prefill", "http://p", "--decode", "http://d"]
+    assert parse(base).max_prefill_queue is None  # off unless asked
+    assert parse([*base, "--max-prefill-queue", "3"]).max_prefill_queue == 3
+    assert parse([*base, "--max-prefill-queue", "off"]).max_prefill_queue is None
+    with pytest.raises(SystemExit):
+        parse([*base, "--max-prefill-queue", "lots"])
+    assert "expected a number or 'off', not 'lots'" in capsys.readouterr().err

@@ -159,8 +159,7 @@ class LLMEngine:
             outputs += self._admitted(self.scheduler.admit_loads())
         sched = self.scheduler.schedule()
         outputs += self._admitted(sched)
-        self.last_step_prefilled = any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r, _ in sched.items)
+        self.last_step_prefilled = False
         if sched.items:
             outputs += self._run(sched.items)
         self.last_step_computed = bool(sched.items)
@@ -175,10 +174,10 @@ class LLMEngine:
         return self.connector.start_load(sched.to_load) if sched.to_load else []
 
     def _run(self, items: list[tuple[Request, int]]) -> list[RequestOutput]:
-        for req, n in items:
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.metrics.prompt_computed.inc(
-                    min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        prompt = sum(min(n, req.num_prompt_tokens - req.num_computed_tokens)
+                     for req, n in items if req.num_computed_tokens < req.num_prompt_tokens)
+        self.metrics.prompt_computed.inc(prompt)
+        self.last_step_prefilled = prompt > 0
         sampled, tokens, logprobs, tops = self.runner.run(items)
         for req, n in items:
             req.num_computed_tokens += n

@@ -59,8 +59,9 @@ class EngineLoop:
                 self.deliver(early)
             outputs: list[RequestOutput] = []
             computed = False
-            busy = self.engine.has_work() or self._connector_busy()
-            self._before_step(busy)
+            work = self.engine.has_work()
+            busy = work or self._connector_busy()
+            self._before_step(work, busy)
             start = time.monotonic()
             if busy:
                 try:
@@ -84,12 +85,12 @@ class EngineLoop:
                 self._wake.wait(self._idle_timeout())
                 self._wake.clear()
 
-    def _before_step(self, busy: bool) -> None:
+    def _before_step(self, work: bool, busy: bool) -> None:
         """Settle the core loans: lend what this step will not use (and take it back from a
         borrower first if it will), then borrow what is lent now."""
         if self.lender is not None:
             # Held blocks awaiting a pull keep an engine busy polling, but compute nothing.
-            self.lender.before_step(self.engine.has_work())
+            self.lender.before_step(work)
         if self.borrower is not None:
             self.borrower.before_step(busy, self.engine.scheduler.num_unfinished)
 

@@ -8,6 +8,7 @@ import torch
 from pdserve.engine.request import Request, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
+NUCLEUS_WIDTH = 64  # top-p looks for its tokens among this many likeliest first
 
 
 class Sampler:
@@ -38,13 +39,16 @@ class Sampler:
         top_p = [r.params.top_p for r in reqs]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _truncate(logits, top_k, top_p)
-        probs = torch.softmax(logits, -1)
-        # Gumbel-style: argmax(p / Exp(1)) samples from p, and the noise can come from each
-        # request's own seeded generator.
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            noise[i].exponential_(generator=self._generator(r))
-        return _argmax(probs / noise)
+        # Inverse CDF: one uniform draw per row from the request's own generator, then the
+        # first token whose cumulative probability passes it. The Gumbel trick (argmax of
+        # p / Exp(1) noise) needs a draw per vocabulary entry: 60 ms of a 64-row step here.
+        cdf = torch.softmax(logits, -1).double().cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=self._generator(r), dtype=torch.float64)
+                       for r in reqs])
+        total = cdf[:, -1:].contiguous()
+        tokens = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+        # u * total can round up to the total: then the last token with any probability.
+        return torch.minimum(tokens, torch.searchsorted(cdf, total)).squeeze(1)
 
     def _generator(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
@@ -108,14 +112,36 @@ def _top_logprobs(raw: torch.Tensor, reqs: list[Request]) -> list[TopLogprobs]:
     return [list(zip(ids[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
-def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(-1, descending=True)
+def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+              width: int = NUCLEUS_WIDTH) -> torch.Tensor:
+    """Each row's top_k likeliest tokens, then the smallest prefix of them whose mass (over
+    what top_k kept) reaches top_p; the others' logits become -inf. The kept tokens are the
+    likeliest few, so they are found with topk, not a sort of the vocabulary (114 ms for 64
+    rows of 49152 here): the largest top_k asked for, and for top_p alone the `width`
+    likeliest, with a sort of the whole row only where the nucleus is wider than that."""
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
-    drop = torch.arange(vocab).unsqueeze(0) >= ks
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
-    ps = torch.tensor(top_p).unsqueeze(1)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    drop |= (probs.cumsum(-1) - probs) >= ps
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    kept = [k if 0 < k < vocab else vocab for k in top_k]
+    n = max(kept)
+    if n == vocab and any(p < 1 for p in top_p):
+        n = min(vocab, max([width, *(k for k in kept if k < vocab)]))
+    ks, ps = torch.tensor(kept).unsqueeze(1), torch.tensor(top_p).unsqueeze(1)
+    limited = ks < vocab
+    values, order = logits.topk(n, -1)
+    drop = torch.arange(n).unsqueeze(0) >= ks
+    values = values.masked_fill(drop, float("-inf"))
+    # Mass over top_k's tokens: those of a row without top_k are its whole vocabulary.
+    norm = torch.where(limited, values.logsumexp(-1, keepdim=True),
+                       logits.logsumexp(-1, keepdim=True))
+    probs = (values - norm).exp()
+    nucleus = ps < 1  # top_p 1 keeps all: no rounding of the sum may cut the tail
+    drop |= nucleus & ((probs.cumsum(-1) - probs) >= ps)
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order,
+                                                          values.masked_fill(drop, float("-inf")))
+    whole = (~limited & ~nucleus).squeeze(1)  # rows truncated by neither: all of the row
+    out[whole] = logits[whole]
+    # A row without top_k whose first n tokens fall short of top_p: its nucleus is wider.
+    wider = ~limited & nucleus & (probs.sum(-1, keepdim=True) < ps)
+    if n < vocab and (wider := wider.squeeze(1).nonzero().squeeze(1).tolist()):
+        out[wider] = _truncate(logits[wider], [top_k[i] for i in wider],
+                               [top_p[i] for i in wider], vocab)
+    return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.sampler import Sampler, apply_penalties
+from pdserve.engine.sampler import Sampler, _truncate, apply_penalties
 from tests.utils import assert_matches_reference, greedy, hf_penalised_greedy, run_engine
 
 VOCAB = 1000
@@ -95,6 +95,31 @@ def test_top_k_and_top_p_renormalise_what_they_keep():
     # The smallest prefix reaching 0.7 of the mass is tokens 0 and 1 (0.56 + 0.21).
     got = _frequencies(LOGITS, 20000, top_p=0.7)
     assert torch.allclose(got, torch.tensor([0.731, 0.269, 0, 0, 0]), atol=0.015)
+
+
+def _truncate_by_sorting(logits, top_k, top_p):
+    """The definition: sort each row, keep top_k, then the smallest prefix reaching top_p."""
+    out = torch.full_like(logits, float("-inf"))
+    for row, (x, k, p) in enumerate(zip(logits, top_k, top_p, strict=True)):
+        values, order = x.sort(descending=True)
+        values = values[:k] if k > 0 else values
+        probs = torch.softmax(values, -1)
+        keep = int(((probs.cumsum(-1) - probs) < p).sum()) if p < 1 else len(values)
+        out[row, order[:keep]] = values[:keep]
+    return out
+
+
+def test_truncation_keeps_what_a_full_sort_keeps():
+    # Peaked rows (small nuclei), flat ones (a top_p nucleus far wider than the 16 tokens
+    # looked at first, so those rows take the sort) and top_k past that width.
+    logits = torch.cat([_logits(4, seed=1) * 4, _logits(4, seed=2) * 0.05])
+    top_k = [0, 5, 0, 300, 0, 0, 2, 100]
+    top_p = [0.9, 0.5, 1.0, 0.95, 0.9, 0.5, 1.0, 1.0]
+    got = _truncate(logits, top_k, top_p, width=16)
+    want = _truncate_by_sorting(logits, top_k, top_p)
+    assert torch.equal(got.isfinite(), want.isfinite())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    assert (got.isfinite().sum(-1) > 300).any(), "no row took the full sort"
 
 
 def test_logprob_is_the_models_not_the_tempered_one():

@@ -95,22 +95,28 @@ inline void score_tokens(const f32x16 (&qv)[kMaxGroup][C], int group, const T* c
 }
 
 // Calls f(t, row) for tokens t < n in order, row pointing at token t's vector in `base`:
-// block by block, so there is no division per token.
+// block by block, so there is no division per token. Each block's rows `also` elements on
+// (V, while K is read) are asked for too, so that a second pass finds them in cache.
 template <typename T, typename F>
-inline void for_each_token(const T* base, const int64_t* table, int64_t n, const Layout& s, F f) {
+inline void for_each_token(const T* base, const int64_t* table, int64_t n, const Layout& s, F f,
+                           int64_t also = 0) {
   for (int64_t start = 0, b = 0; start < n; start += s.block_size, ++b) {
     const T* row = base + table[b] * s.block;
     if (start + s.block_size < n) prefetch_block(base + table[b + 1] * s.block, s);
+    if (also) prefetch_block(row + also, s);
     const int64_t end = start + s.block_size < n ? start + s.block_size : n;
     for (int64_t t = start; t < end; ++t, row += s.token) f(t, row);
   }
 }
 
-// One sequence and one KV head: its `group` query heads at `q` [group, C * 16], out alike.
-template <typename T, int C>
+// One sequence and one KV head: its query heads at `q` [group, C * 16], out alike. G > 0 is
+// the group size known when compiling (the accumulators then stay in registers), 0 any.
+template <typename T, int C, int G>
 void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t n,
-                 int group, const Layout& s, float scale, float* score) {
-  f32x16 qv[kMaxGroup][C], acc[kMaxGroup][C];
+                 int runtime_group, const Layout& s, float scale, float* score) {
+  constexpr int kG = G ? G : kMaxGroup;
+  const int group = G ? G : runtime_group;
+  f32x16 qv[kMaxGroup][C], acc[kG][C];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes) * scale;
   const T* rows[kLanes];  // scores go 16 tokens at a time: one lane_sums, not 16 sums
@@ -124,7 +130,7 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
   for_each_token(k0, table, n, s, [&](int64_t, const T* k) {
     rows[m++] = k;
     if (m == kLanes) flush();
-  });
+  }, s.kv);
   if (m) flush();
   for (int g = 0; g < group; ++g) {
     softmax(score + g * n, n);
@@ -142,21 +148,39 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
     for (int c = 0; c < C; ++c) store(acc[g][c], out + (g * C + c) * kLanes);
 }
 
-template <typename T, int C>
+template <typename T, int C, int G>
 void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
             int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, const Layout& s,
             float scale, int threads) {
   const int group = int(heads / kv_heads);
   const int64_t dim = C * kLanes;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) collapse(2)
+  // A sequence's KV heads on one thread, one after the other, where there are sequences
+  // enough to go round: the later heads find the blocks' cache lines the first one fetched.
+  const int chunk = seqs >= 2 * threads ? int(kv_heads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) collapse(2)
   for (int64_t i = 0; i < seqs; ++i)
     for (int64_t h = 0; h < kv_heads; ++h) {
       thread_local std::vector<float> score;
       score.resize(size_t(group) * lens[i]);
       const int64_t at = (i * heads + h * group) * dim;
-      attend_head<T, C>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i], group,
-                        s, scale, score.data());
+      attend_head<T, C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i],
+                           group, s, scale, score.data());
     }
+}
+
+// The group sizes of common models get their own instantiation; others the generic one.
+template <typename T, int C>
+void attend_group(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
+                  int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads,
+                  const Layout& s, float scale, int threads) {
+  switch (heads / kv_heads) {
+#define PDSERVE_GROUP(G) \
+    case G: return attend<T, C, G>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads);
+    PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5)
+    PDSERVE_GROUP(6) PDSERVE_GROUP(7) PDSERVE_GROUP(8)
+#undef PDSERVE_GROUP
+    default: return attend<T, C, 0>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads);
+  }
 }
 
 template <typename T>
@@ -165,8 +189,8 @@ int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64
              const Layout& s, float scale, int threads) {
   if (heads % kv_heads || heads / kv_heads > kMaxGroup) return 1;
   switch (dim) {
-    case 64: attend<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
-    case 128: attend<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
+    case 64: attend_group<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
+    case 128: attend_group<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
     default: return 1;
   }
 }

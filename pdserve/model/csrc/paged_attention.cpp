@@ -3,9 +3,13 @@
 // sequence, causal). float32 arithmetic throughout, as torch's CPU attention does for bf16.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 using namespace pdserve;
@@ -218,6 +222,31 @@ void stage_keys(const T* k0, const int64_t* table, int64_t keys, int64_t dim, co
   }
 }
 
+// The same for bfloat16 dot products: pairs of values in 32-bit words. K as [group][dim / 2]
+// [16 keys] (a word: dims 2i, 2i + 1 of one key) and V as [group][8 key pairs][dim] (a
+// word: keys 2j, 2j + 1 at one dim), zeros past the last key.
+inline void stage_key_pairs(const uint16_t* k0, const int64_t* table, int64_t keys, int64_t dim,
+                            const Layout& s, int64_t h, int64_t group, uint32_t* kt,
+                            uint32_t* vt) {
+  const int64_t half = dim / 2;
+  for (int64_t j = group * kLanes; j < (group + 1) * kLanes; j += 2) {
+    const uint16_t* pair[2];
+    for (int i = 0; i < 2; ++i)
+      pair[i] = j + i < keys ? k0 + table[(j + i) / s.block_size] * s.block + h * s.head +
+                                   (j + i) % s.block_size * s.token
+                             : nullptr;
+    for (int i = 0; i < 2; ++i)
+      for (int64_t d = 0; d < half; ++d) {
+        uint32_t w = 0;
+        if (pair[i]) std::memcpy(&w, pair[i] + 2 * d, sizeof w);
+        kt[(group * half + d) * kLanes + j % kLanes + i] = w;
+      }
+    uint32_t* v = vt + (group * kLanes / 2 + j % kLanes / 2) * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      v[d] = (pair[0] ? pair[0][s.kv + d] : 0u) | uint32_t(pair[1] ? pair[1][s.kv + d] : 0u) << 16;
+  }
+}
+
 inline float max_lanes(f32x16 x) {  // a tree, like sum()
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
@@ -240,22 +269,28 @@ constexpr int kSpan = 4;  // 16-key groups per softmax update: 64 keys share its
 template <int C, int R>
 struct Rows {
   float q[R][C * kLanes], p[R][kSpan * kLanes], m[R], l[R];
+  uint32_t qb[R][C * kLanes / 2];  // the bfloat16 path's queries: pairs of dims, unscaled
   f32x16 o[R][C];
 };
 
-// Folds NG groups of 16 keys, from group g, into the rows' state; `last` is the rows' final
-// group, where keys past each row's own position are masked out.
+// The rows' scores for NG groups of 16 keys from group g, float32 multiply-adds.
 template <int C, int R, int NG>
-inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
-                      int64_t first) {
+inline void score_span(const Rows<C, R>& st, const float* kt, int64_t g, f32x16 (&sc)[R][NG]) {
   constexpr int64_t dim = C * kLanes;
-  f32x16 sc[R][NG] = {};
   for (int64_t d = 0; d < dim; ++d)
     for (int j = 0; j < NG; ++j) {
       f32x16 k = load(kt + ((g + j) * dim + d) * kLanes);
       in_register(k);
       for (int r = 0; r < R; ++r) sc[r][j] += st.q[r][d] * k;
     }
+}
+
+// Folds the scores sc into the rows' running max and sum, rescaling what was summed before;
+// st.p gets the span's unnormalised probabilities. `last` is the rows' final group, where
+// keys past each row's own position are masked out.
+template <int C, int R, int NG>
+inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t last,
+                         int64_t first) {
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int r = 0; r < R; ++r) {
     const auto valid = lane <= float(first + r - last * kLanes);  // used in the last group
@@ -279,6 +314,16 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
     }
     st.l[r] += sum(total);
   }
+}
+
+// Folds NG groups of 16 keys, from group g, into the rows' state (float32 throughout).
+template <int C, int R, int NG>
+inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
+                      int64_t first) {
+  constexpr int64_t dim = C * kLanes;
+  f32x16 sc[R][NG] = {};
+  score_span<C, R, NG>(st, kt, g, sc);
+  softmax_span<C, R, NG>(st, sc, g, last, first);
   f32x16 o[R][C];  // in registers for the loop (V's floats could alias st.o for the compiler)
   std::memcpy(o, st.o, sizeof o);
   for (int t = 0; t < NG * kLanes; ++t) {
@@ -293,14 +338,85 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
   std::memcpy(st.o, o, sizeof o);
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+inline __m512bh pairs(uint32_t w) { return (__m512bh)_mm512_set1_epi32(int(w)); }
+inline __m512bh pairs(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// fold_span for bfloat16 caches on CPUs with bf16 dot products (AVX512-BF16): scores and the
+// weighted sum of V take two products per instruction, with float32 sums; the weights are
+// rounded to bfloat16 for the second (as flash attention does on GPUs), the softmax stays
+// float32. Twice the multiply-adds per instruction of the float32 path.
+template <int C, int R, int NG>
+inline void fold_span_bf16(Rows<C, R>& st, const uint32_t* kt, const uint32_t* vt, int64_t g,
+                           int64_t last, int64_t first, float scale) {
+  constexpr int64_t dim = C * kLanes, half = dim / 2;
+  __m512 acc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < half; ++d)
+    for (int j = 0; j < NG; ++j) {
+      const __m512bh k = pairs(kt + ((g + j) * half + d) * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pairs(st.qb[r][d]), k);
+    }
+  f32x16 sc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NG; ++j) sc[r][j] = f32x16(acc[r][j]) * scale;
+  softmax_span<C, R, NG>(st, sc, g, last, first);
+  uint32_t p[R][NG * kLanes / 2];  // the weights as bfloat16 pairs of consecutive keys
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NG; ++j) {
+      const __m256bh b = _mm512_cvtneps_pbh(__m512(load(st.p[r] + j * kLanes)));
+      std::memcpy(p[r] + j * kLanes / 2, &b, sizeof b);
+    }
+  __m512 o[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c] = __m512(st.o[r][c]);
+  for (int t = 0; t < NG * kLanes / 2; ++t) {
+    __m512bh v[C];
+    for (int c = 0; c < C; ++c) v[c] = pairs(vt + (g * kLanes / 2 + t) * dim + c * kLanes);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], pairs(p[r][t]), v[c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) st.o[r][c] = f32x16(o[r][c]);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
+// tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
+// spans start at fixed multiples of kSpan groups: each row's arithmetic is the same whatever
+// chunk or tile it comes in (a prompt computed in one chunk or several gives bit-identical
+// results). `rows` < R at a chunk's edges.
+// Staged keys: float32 (see stage_keys), or bfloat16 pairs in 32-bit words where the CPU has
+// bf16 dot products (stage_key_pairs).
+template <typename T>
+using Staged = std::conditional_t<kBf16Dot && std::is_same_v<T, uint16_t>, uint32_t, float>;
+
+template <int C, int R, int NG>
+inline void fold(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
+                 int64_t first, float) {
+  fold_span<C, R, NG>(st, kt, vf, g, last, first);
+}
+#if defined(__AVX512BF16__)
+template <int C, int R, int NG>
+inline void fold(Rows<C, R>& st, const uint32_t* kt, const uint32_t* vt, int64_t g,
+                 int64_t last, int64_t first, float scale) {
+  fold_span_bf16<C, R, NG>(st, kt, vt, g, last, first, scale);
+}
+#endif
+
 // R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
 // tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
 // spans start at fixed multiples of kSpan groups: each row's arithmetic is the same whatever
 // chunk or tile it comes in (a prompt computed in one chunk or several gives bit-identical
 // results). `rows` < R at a chunk's edges.
 template <typename T, int C, int R>
-void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const float* kt,
-                 const float* vf, int64_t first, int rows, float scale) {
+void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Staged<T>* kt,
+                 const Staged<T>* vt, int64_t first, int rows, float scale) {
   Rows<C, R> st;
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
@@ -308,21 +424,36 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
       store(x, st.q[r] + c * kLanes);
       st.o[r][c] = f32x16{};
     }
+    if constexpr (std::is_same_v<Staged<T>, uint32_t>) {  // pairs of bf16 dims, unscaled
+      for (int d = 0; d < C * kLanes / 2; ++d)
+        st.qb[r][d] = r < rows ? uint32_t(q[r * q_stride + 2 * d]) |
+                                     uint32_t(q[r * q_stride + 2 * d + 1]) << 16
+                               : 0u;
+    }
     st.m[r] = -INFINITY;
     st.l[r] = 0.f;
   }
   const int64_t last = first / kLanes;
   for (int64_t g = 0; g <= last; g += kSpan) {
     switch (last - g + 1 < kSpan ? int(last - g + 1) : kSpan) {
-      case 1: fold_span<C, R, 1>(st, kt, vf, g, last, first); break;
-      case 2: fold_span<C, R, 2>(st, kt, vf, g, last, first); break;
-      case 3: fold_span<C, R, 3>(st, kt, vf, g, last, first); break;
-      default: fold_span<C, R, kSpan>(st, kt, vf, g, last, first);
+      case 1: fold<C, R, 1>(st, kt, vt, g, last, first, scale); break;
+      case 2: fold<C, R, 2>(st, kt, vt, g, last, first, scale); break;
+      case 3: fold<C, R, 3>(st, kt, vt, g, last, first, scale); break;
+      default: fold<C, R, kSpan>(st, kt, vt, g, last, first, scale);
     }
   }
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < C; ++c)
       store(st.o[r][c] * (1.f / st.l[r]), out + r * out_stride + c * kLanes);
+}
+
+template <typename T>
+inline void stage(const T* k0, const int64_t* table, int64_t keys, int64_t dim, const Layout& s,
+                  int64_t h, int64_t g, Staged<T>* kt, Staged<T>* vt) {
+  if constexpr (std::is_same_v<Staged<T>, uint32_t>)
+    stage_key_pairs(k0, table, keys, dim, s, h, g, kt, vt);
+  else
+    stage_keys(k0, table, keys, dim, s, h, g, kt, vt);
 }
 
 template <typename T, int C>
@@ -333,17 +464,18 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
   constexpr int64_t dim = C * kLanes;
   const int64_t keys = pos + n, groups = (keys + kLanes - 1) / kLanes, group = heads / kv_heads;
   const int64_t first_tile = pos / R, tiles = (keys + R - 1) / R - first_tile;
-  thread_local std::vector<float> staged;
-  staged.resize(size_t(2 * kv_heads * groups * kLanes * dim));
-  float* kt = staged.data();
-  float* vf = kt + kv_heads * groups * kLanes * dim;
+  // One KV head's staged K, then its V: a value per word in float32, two in bf16 pairs.
+  const int64_t per_head = groups * kLanes * dim / (std::is_same_v<Staged<T>, float> ? 1 : 2);
+  thread_local std::vector<Staged<T>> staged;
+  staged.resize(size_t(2 * kv_heads * per_head));
+  Staged<T>* kt = staged.data();
+  Staged<T>* vt = kt + kv_heads * per_head;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for collapse(2)
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < groups; ++g)
-        stage_keys(k0, table, keys, dim, s, h, g, kt + h * groups * kLanes * dim,
-                   vf + h * groups * kLanes * dim);
+        stage(k0, table, keys, dim, s, h, g, kt + h * per_head, vt + h * per_head);
 #pragma omp for schedule(dynamic) collapse(2)
     for (int64_t i = tiles - 1; i >= 0; --i)  // the longest rows first: better balance
       for (int64_t hq = 0; hq < heads; ++hq) {
@@ -351,9 +483,8 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
         const int64_t end = (first_tile + i + 1) * R < keys ? (first_tile + i + 1) * R : keys;
         const int64_t row = start - pos, h = hq / group;
         attend_rows<T, C, R>(q + row * q_stride + hq * dim, q_stride,
-                             out + row * out_stride + hq * dim, out_stride,
-                             kt + h * groups * kLanes * dim, vf + h * groups * kLanes * dim,
-                             start, int(end - start), scale);
+                             out + row * out_stride + hq * dim, out_stride, kt + h * per_head,
+                             vt + h * per_head, start, int(end - start), scale);
       }
   }
 }

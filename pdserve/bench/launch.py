@@ -50,10 +50,19 @@ def _free(port: int) -> bool:
 @contextmanager
 def launched(args: list[str], health_urls: list[str], timeout: float = 300):
     """Run `pdserve ARGS` in its own process group until the block ends."""
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.entrypoints.cli", *args],
-                            start_new_session=True, stdout=subprocess.DEVNULL)
+    with running([sys.executable, "-m", "pdserve.entrypoints.cli", *args], health_urls,
+                 timeout) as proc:
+        yield proc
+
+
+@contextmanager
+def running(cmd: list[str], health_urls: list[str], timeout: float = 300,
+            env: dict[str, str] | None = None, name: str = "pdserve"):
+    """Run `cmd` (a server: pdserve, or a baseline) in its own process group until the block
+    ends, once every URL's /health answers 200."""
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, env=env)
     try:
-        _wait(proc, health_urls, timeout)
+        _wait(proc, health_urls, timeout, name)
         yield proc
     finally:
         if proc.poll() is None:
@@ -65,12 +74,12 @@ def launched(args: list[str], health_urls: list[str], timeout: float = 300):
                 proc.wait()
 
 
-def _wait(proc: subprocess.Popen, urls: list[str], timeout: float) -> None:
+def _wait(proc: subprocess.Popen, urls: list[str], timeout: float, name: str) -> None:
     deadline = time.monotonic() + timeout
     pending = list(urls)
     while pending:
         if proc.poll() is not None:
-            raise RuntimeError(f"pdserve exited with {proc.returncode} during start-up")
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
         if time.monotonic() > deadline:
             raise RuntimeError(f"not healthy after {timeout}s: {', '.join(pending)}")
         try:

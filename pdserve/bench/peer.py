@@ -1,0 +1,183 @@
+"""pdserve against vLLM-CPU on this host, in one run: each server started as a user would
+(defaults, apart from vLLM's thread binding), alone on the machine, the same work sent to
+each, the ratios printed.
+
+    pdserve bench peer                          # vLLM from ../shared/peer (install there)
+    pdserve bench peer --peer /path/to/peer     # the folder with serve.sh and its venv
+    pdserve bench peer --only prefill,batch     # some of the work
+
+Work: lone prompts of 1,000-7,900 tokens (max_tokens 1: the prefill's wall time); 64
+sequences at once (64-512 tokens in, 64-512 out, ignore_eos: output throughput); Poisson
+arrivals at 1 and 2 req/s of 512-token prompts with 64 output tokens (median TTFT, median
+TPOT, p99 ITL). Prompts are random token ids, fresh for every request, so no prefix cache
+serves them. vLLM-CPU is never a dependency of pdserve: without its folder (serve.sh, and
+the venv and HF model that folder's README makes) this runs pdserve alone and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench import serve
+from pdserve.bench.launch import free_port, launched, running
+
+MAX_MODEL_LEN = 8192  # room for the longest prompt, on both servers
+RATES = (1.0, 2.0)
+
+
+@dataclass(slots=True)
+class Results:
+    prefill_ms: dict[int, float] = field(default_factory=dict)
+    batch_tok_s: float | None = None
+    serving: dict[float, dict] = field(default_factory=dict)
+
+
+def prefill_ms(url: str, model: str, tokens: int, runs: int, rng: random.Random) -> float:
+    """Median wall time of a lone prompt of `tokens` fresh token ids with max_tokens 1."""
+    times = []
+    with httpx.Client(timeout=600) as client:
+        for _ in range(runs):
+            prompt = [rng.randrange(*serve.TOKEN_IDS) for _ in range(tokens)]
+            start = time.perf_counter()
+            r = client.post(url + "/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def load(url: str, model: str, out: Path, seed: int, *flags: str) -> dict | None:
+    """One `bench serve` run (greedy, ignore_eos, streamed); its result, None if it failed."""
+    code = serve.main(["--base-url", url, "--model", model, "--seed", str(seed),
+                       "--ignore-eos", "--no-progress", "--save-result", "--result-file",
+                       str(out), *flags])
+    return json.loads(out.read_text()) if code == 0 else None
+
+
+def measure(url: str, model: str, args: argparse.Namespace, tag: str) -> Results:
+    res, work = Results(), args.only
+    out = Path(args.out)
+    # An untimed prompt of each length first: both servers then time warm code paths.
+    prefill_ms(url, model, 200, 2, random.Random(0))
+    if "prefill" in work:
+        rng = random.Random(1)
+        for n in args.prefill_lens:
+            prefill_ms(url, model, n, 1, rng)
+            res.prefill_ms[n] = prefill_ms(url, model, n, args.runs, rng)
+            print(f"{tag}: {n}-token prefill {res.prefill_ms[n]:.0f} ms", flush=True)
+    if "batch" in work:
+        r = load(url, model, out / f"{tag}-batch.json", 0, "--num-prompts", "64",
+                 "--random-input-len", "288", "--random-output-len", "288",
+                 "--random-range-ratio", "0.77", "--num-warmups", "2")
+        res.batch_tok_s = r["output_throughput"] if r else None
+        print(f"{tag}: 64 at once {res.batch_tok_s} output tok/s", flush=True)
+    if "serve" in work:
+        for i, rate in enumerate(RATES):
+            r = load(url, model, out / f"{tag}-rate{rate:g}.json", 10 + i, "--num-prompts",
+                     str(args.num_prompts), "--random-input-len", "512",
+                     "--random-output-len", "64", "--request-rate", str(rate),
+                     "--num-warmups", "4")
+            if r:
+                res.serving[rate] = r
+                print(f"{tag}: {rate:g} req/s median TTFT {r['median_ttft_ms']:.0f} ms, "
+                      f"TPOT {r['median_tpot_ms']:.1f} ms, p99 ITL {r['p99_itl_ms']:.0f} ms",
+                      flush=True)
+    return res
+
+
+def run_pdserve(args: argparse.Namespace, model: str) -> Results:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+            "--served-model-name", model]
+    with launched(argv, [url]):
+        return measure(url, model, args, "pdserve")
+
+
+def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"VLLM_PEER_MAX_LEN": str(MAX_MODEL_LEN), "VLLM_PEER_MODEL": model}
+    cores = f"0-{len(os.sched_getaffinity(0)) - 1}"  # its thread binding: every core
+    with running(["bash", str(peer / "serve.sh"), "mono", str(port), cores], [url],
+                 timeout=600, env=env, name="vllm serve"):
+        return measure(url, model, args, "vllm")
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def report(ours: Results, peer: Results | None) -> str:
+    """A markdown table: pdserve's figure, vLLM's, and pdserve / vLLM (lower is better for
+    times, higher for throughput)."""
+    p = peer or Results()
+    rows = ["| work | pdserve | vLLM-CPU | pdserve / vLLM |", "|---|---:|---:|---:|"]
+    for n, ms in ours.prefill_ms.items():
+        theirs = p.prefill_ms.get(n)
+        rows.append(f"| prefill {n} tokens (ms) | {ms:.0f} | {theirs or 0:.0f} | "
+                    f"{_ratio(ms, theirs)} |")
+    if ours.batch_tok_s:
+        rows.append(f"| 64 sequences at once (output tok/s) | {ours.batch_tok_s:.0f} | "
+                    f"{p.batch_tok_s or 0:.0f} | {_ratio(ours.batch_tok_s, p.batch_tok_s)} |")
+    for rate, r in ours.serving.items():
+        v = p.serving.get(rate, {})
+        for key, name in (("median_ttft_ms", "median TTFT"), ("median_tpot_ms", "median TPOT"),
+                          ("p99_itl_ms", "p99 ITL")):
+            rows.append(f"| {rate:g} req/s, 512 in / 64 out: {name} (ms) | {r[key]:.1f} | "
+                        f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
+    note = "" if peer else "\n\nvLLM-CPU was not run (no peer folder): pdserve alone."
+    return "\n".join(rows) + note
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", default="../shared/peer",
+                   help="folder with vLLM-CPU's serve.sh (its README installs the venv)")
+    p.add_argument("--hf-model", default=os.environ.get("VLLM_PEER_MODEL", "/tmp/smollm2-hf"),
+                   help="the embedded model as an HF folder, for vLLM (and as the name both "
+                   "serve)")
+    p.add_argument("--only", default="prefill,batch,serve",
+                   help="comma-separated: prefill, batch, serve")
+    p.add_argument("--prefill-lens", default="1000,2000,4000,7900",
+                   help="prompt lengths of the lone prefills")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per prefill length")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per serving rate")
+    p.add_argument("--out", default="results/peer", help="folder for the runs' JSON")
+    args = p.parse_args(argv)
+    args.only = set(args.only.split(","))
+    args.prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
+    if not all(0 < n < MAX_MODEL_LEN for n in args.prefill_lens):
+        p.error(f"--prefill-lens: each between 1 and {MAX_MODEL_LEN - 1}")
+    if bad := args.only - {"prefill", "batch", "serve"}:
+        p.error(f"--only: unknown work {', '.join(sorted(bad))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    peer = Path(args.peer)
+    has_peer = (peer / "serve.sh").exists() and Path(args.hf_model, "config.json").exists()
+    if not has_peer:
+        print(f"no vLLM-CPU peer ({peer}/serve.sh and {args.hf_model}): pdserve alone",
+              file=sys.stderr)
+    ours = run_pdserve(args, args.hf_model if has_peer else "pdserve")
+    theirs = run_vllm(args, peer, args.hf_model) if has_peer else None
+    print(report(ours, theirs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`pdserve bench peer`: without a vLLM-CPU folder it runs pdserve alone and says so; the
+report's ratios; a baseline that dies while starting is a clear error, not a hang."""
+
+import sys
+
+import pytest
+
+from pdserve.bench import peer
+from pdserve.bench.launch import free_port, running
+
+
+def test_without_a_peer_it_runs_pdserve_alone(tmp_path, capsys):
+    code = peer.main(["--peer", str(tmp_path / "none"), "--only", "prefill",
+                      "--prefill-lens", "40,90", "--runs", "1", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "pdserve alone" in err and "pdserve alone" in out
+    for n in (40, 90):
+        row = next(line for line in out.splitlines() if f"prefill {n} tokens" in line)
+        assert float(row.split("|")[2]) > 0  # pdserve's time, no vLLM figure or ratio
+        assert row.rstrip("| ").endswith("-")
+
+
+def test_report_gives_pdserve_over_vllm():
+    ours = peer.Results({1000: 500.0}, 400.0, {1.0: {"median_ttft_ms": 90.0,
+                                                     "median_tpot_ms": 10.0,
+                                                     "p99_itl_ms": 20.0}})
+    theirs = peer.Results({1000: 1000.0}, 200.0, {1.0: {"median_ttft_ms": 100.0,
+                                                        "median_tpot_ms": 20.0,
+                                                        "p99_itl_ms": 10.0}})
+    table = peer.report(ours, theirs)
+    assert "| prefill 1000 tokens (ms) | 500 | 1000 | 0.50x |" in table
+    assert "| 64 sequences at once (output tok/s) | 400 | 200 | 2.00x |" in table
+    assert "median TTFT (ms) | 90.0 | 100.0 | 0.90x |" in table
+    assert "p99 ITL (ms) | 20.0 | 10.0 | 2.00x |" in table
+    assert "pdserve alone" not in table
+
+
+def test_a_baseline_that_exits_during_start_up_is_named():
+    url = f"http://127.0.0.1:{free_port()}"
+    dies = running([sys.executable, "-c", "raise SystemExit(3)"], [url], timeout=30,
+                   name="vllm serve")
+    with pytest.raises(RuntimeError, match="vllm serve exited with 3 during start-up"), dies:
+        pass
+
+
+def test_unknown_work_is_refused():
+    with pytest.raises(SystemExit):
+        peer.main(["--only", "prefill,decode"])

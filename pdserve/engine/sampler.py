@@ -25,16 +25,19 @@ class Sampler:
         default), so they describe the model, not the request's sampling."""
         raw = torch.log_softmax(logits, -1)
         logits = apply_penalties(logits, reqs)
-        tokens = _argmax(logits)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rows:
-            tokens[rows] = self._sample_rows(logits[rows], [reqs[i] for i in rows])
+        if len(rows) == len(reqs):  # no row copies: every request samples
+            tokens = self._sample_rows(logits, reqs)
+        else:
+            tokens = _argmax(logits)
+            if rows:
+                tokens[rows] = self._sample_rows(logits[rows], [reqs[i] for i in rows])
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), logprobs.tolist(), _top_logprobs(raw, reqs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in reqs]).unsqueeze(1)
-        logits = logits / temps
+        """Draws a token per row of `logits`, which it overwrites."""
+        logits = logits.div_(torch.tensor([r.params.temperature for r in reqs]).unsqueeze(1))
         top_k = [r.params.top_k for r in reqs]
         top_p = [r.params.top_p for r in reqs]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -42,7 +45,7 @@ class Sampler:
         # Inverse CDF: one uniform draw per row from the request's own generator, then the
         # first token whose cumulative probability passes it. The Gumbel trick (argmax of
         # p / Exp(1) noise) needs a draw per vocabulary entry: 60 ms of a 64-row step here.
-        cdf = torch.softmax(logits, -1).double().cumsum(-1)
+        cdf = torch.softmax(logits, -1).cumsum(-1, dtype=torch.float64)
         u = torch.cat([torch.rand(1, generator=self._generator(r), dtype=torch.float64)
                        for r in reqs])
         total = cdf[:, -1:].contiguous()

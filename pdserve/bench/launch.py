@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -48,19 +49,22 @@ def _free(port: int) -> bool:
 
 
 @contextmanager
-def launched(args: list[str], health_urls: list[str], timeout: float = 300):
+def launched(args: list[str], health_urls: list[str], timeout: float = 300,
+             log: Path | None = None):
     """Run `pdserve ARGS` in its own process group until the block ends."""
     with running([sys.executable, "-m", "pdserve.entrypoints.cli", *args], health_urls,
-                 timeout) as proc:
+                 timeout, log=log) as proc:
         yield proc
 
 
 @contextmanager
 def running(cmd: list[str], health_urls: list[str], timeout: float = 300,
-            env: dict[str, str] | None = None, name: str = "pdserve"):
+            env: dict[str, str] | None = None, name: str = "pdserve", log: Path | None = None):
     """Run `cmd` (a server: pdserve, or a baseline) in its own process group until the block
-    ends, once every URL's /health answers 200."""
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, env=env)
+    ends, once every URL's /health answers 200; its log to `log`, else to our stderr."""
+    with open(log, "w") if log else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=err or subprocess.DEVNULL,
+                                stderr=err, env=env)
     try:
         _wait(proc, health_urls, timeout, name)
         yield proc

@@ -40,6 +40,22 @@ class Results:
     prefill_ms: dict[int, float] = field(default_factory=dict)
     batch_tok_s: float | None = None
     serving: dict[float, dict] = field(default_factory=dict)
+    peak_rss_mb: float | None = None  # summed over the server's processes, at the end
+
+
+def peak_rss_mb(group: int) -> float:
+    """The peak resident memory (VmHWM) of every process in process group `group`, summed."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            status = stat.with_name("status").read_text()
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines()
+                       if line.startswith("VmHWM:")), 0)
+    return total / 1024
 
 
 def prefill_ms(url: str, model: str, tokens: int, runs: int, rng: random.Random) -> float:
@@ -100,8 +116,10 @@ def run_pdserve(args: argparse.Namespace, model: str) -> Results:
     url = f"http://127.0.0.1:{port}"
     argv = ["serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--served-model-name", model]
-    with launched(argv, [url]):
-        return measure(url, model, args, "pdserve")
+    with launched(argv, [url], log=Path(args.out) / "pdserve.log") as proc:
+        res = measure(url, model, args, "pdserve")
+        res.peak_rss_mb = peak_rss_mb(proc.pid)
+        return res
 
 
 def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
@@ -110,8 +128,11 @@ def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
     env = os.environ | {"VLLM_PEER_MAX_LEN": str(MAX_MODEL_LEN), "VLLM_PEER_MODEL": model}
     cores = f"0-{len(os.sched_getaffinity(0)) - 1}"  # its thread binding: every core
     with running(["bash", str(peer / "serve.sh"), "mono", str(port), cores], [url],
-                 timeout=600, env=env, name="vllm serve"):
-        return measure(url, model, args, "vllm")
+                 timeout=600, env=env, name="vllm serve",
+                 log=Path(args.out) / "vllm.log") as proc:
+        res = measure(url, model, args, "vllm")
+        res.peak_rss_mb = peak_rss_mb(proc.pid)
+        return res
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:
@@ -136,6 +157,9 @@ def report(ours: Results, peer: Results | None) -> str:
                           ("p99_itl_ms", "p99 ITL")):
             rows.append(f"| {rate:g} req/s, 512 in / 64 out: {name} (ms) | {r[key]:.1f} | "
                         f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
+    if ours.peak_rss_mb:
+        rows.append(f"| peak RSS, all processes (MB) | {ours.peak_rss_mb:.0f} | "
+                    f"{p.peak_rss_mb or 0:.0f} | {_ratio(ours.peak_rss_mb, p.peak_rss_mb)} |")
     note = "" if peer else "\n\nvLLM-CPU was not run (no peer folder): pdserve alone."
     return "\n".join(rows) + note
 
@@ -176,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = run_pdserve(args, args.hf_model if has_peer else "pdserve")
     theirs = run_vllm(args, peer, args.hf_model) if has_peer else None
     print(report(ours, theirs))
+    print(f"server logs and each run's JSON: {args.out}", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,8 @@ context through memory twice per layer; the C++ kernels (csrc/paged_attention.cp
 pdserve.model.native) follow the block table instead: `decode` for single-token queries,
 `chunk` for a prefill's queries of one sequence. The chunk kernel also replaced torch's
 causal attention, which took ~47 % of a 512-token prefill on one thread here (220 of 464 ms).
+With bf16 dot products (AVX512-BF16) a bf16 cache's scores and weighted sums take half the
+instructions: a 7,900-token prefill's attention went from 13.4 to 8.2 s on 2 Zen 4 cores.
 Where the kernels cannot be built, both keep the gather + torch attention paths."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`pdserve bench peer`: without a vLLM-CPU folder it runs pdserve alone and says so; the
-report's ratios; a baseline that dies while starting is a clear error, not a hang."""
+report's ratios and the servers' peak memory; a baseline that dies while starting is a
+clear error, not a hang."""
 
 import sys
 
@@ -19,6 +20,8 @@ def test_without_a_peer_it_runs_pdserve_alone(tmp_path, capsys):
         row = next(line for line in out.splitlines() if f"prefill {n} tokens" in line)
         assert float(row.split("|")[2]) > 0  # pdserve's time, no vLLM figure or ratio
         assert row.rstrip("| ").endswith("-")
+    rss = next(line for line in out.splitlines() if "peak RSS" in line)
+    assert 100 < float(rss.split("|")[2]) < 20000  # the server's, in MB
 
 
 def test_report_gives_pdserve_over_vllm():
@@ -28,11 +31,13 @@ def test_report_gives_pdserve_over_vllm():
     theirs = peer.Results({1000: 1000.0}, 200.0, {1.0: {"median_ttft_ms": 100.0,
                                                         "median_tpot_ms": 20.0,
                                                         "p99_itl_ms": 10.0}})
+    ours.peak_rss_mb, theirs.peak_rss_mb = 900.0, 3000.0
     table = peer.report(ours, theirs)
     assert "| prefill 1000 tokens (ms) | 500 | 1000 | 0.50x |" in table
     assert "| 64 sequences at once (output tok/s) | 400 | 200 | 2.00x |" in table
     assert "median TTFT (ms) | 90.0 | 100.0 | 0.90x |" in table
     assert "p99 ITL (ms) | 20.0 | 10.0 | 2.00x |" in table
+    assert "| peak RSS, all processes (MB) | 900 | 3000 | 0.30x |" in table
     assert "pdserve alone" not in table
 
 

@@ -52,15 +52,22 @@ def test_matches_attention_float32(layout, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_bfloat16_within_one_rounding_of_exact(layout):
-    """bf16 in, float32 inside, bf16 out: off from float32 attention of the same bf16
-    inputs by at most the output's rounding (half a bf16 ulp, plus float32 noise)."""
+def test_bfloat16_as_close_as_torchs_bfloat16_attention(layout):
+    """bf16 in and out; with bf16 dot products the weights of V are rounded to bf16 (see the
+    chunk kernel's test): off from float32 attention of the same inputs by at most the
+    output's rounding plus the weights'. On average within 1.5x of torch's bf16 attention's
+    error (torch keeps a lone query's weights in float32: 1.25x less error here)."""
     kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, group, q = _case(layout, torch.bfloat16, 9, 3, 64)
     got = kernel.decode(q, cache, 1, group.tables, group.lens).float()
     want = _reference(q, cache, 1, group)
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
-    assert ((got - want).abs() <= 0.5 * ulp + 1e-6).all()
+    err = (got - want).abs()
+    assert (err <= 0.5 * ulp + 2 ** -9 * cache.tensor.abs().max() + 1e-6).all()
+    kc, vc = cache.gather(1, group.tables)
+    torch_bf16 = F.scaled_dot_product_attention(q.unflatten(1, (3, -1)), kc, vc,
+                                                attn_mask=group.mask).flatten(1, 2)
+    assert err.mean() <= 1.5 * (torch_bf16.float() - want).abs().mean()
 
 
 def test_results_do_not_depend_on_threads_or_batch():

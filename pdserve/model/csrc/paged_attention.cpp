@@ -1,6 +1,8 @@
 // Attention straight from the paged KV cache, through the block table, with no gathered
 // copy of K/V: decodes (one query token per sequence) and chunks (a prefill's queries of one
-// sequence, causal). float32 arithmetic throughout, as torch's CPU attention does for bf16.
+// sequence, causal). Softmax and sums in float32; a bfloat16 cache on a CPU with bf16 dot
+// products (AVX512-BF16) multiplies in bf16 pairs, its softmax weights rounded to bf16 for
+// the sum over V (as flash attention does), elsewhere float32 multiply-adds throughout.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -14,6 +16,16 @@
 namespace {
 using namespace pdserve;
 constexpr int kMaxGroup = 16;  // query heads per KV head
+
+// bfloat16 dot products (AVX512-BF16: two products per lane and instruction, float32 sums)
+// where the CPU has them; the float32 kernels elsewhere.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+inline __m512bh pairs(uint32_t w) { return (__m512bh)_mm512_set1_epi32(int(w)); }
+inline __m512bh pairs(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 // In place over x[0, n); max and sum kept per lane, then a fixed tree.
 inline void softmax(float* x, int64_t n) {
@@ -152,6 +164,88 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
     for (int c = 0; c < C; ++c) store(acc[g][c], out + (g * C + c) * kLanes);
 }
 
+#if defined(__AVX512BF16__)
+// attend_head for bfloat16 caches with bf16 dot products: scores two products an instruction
+// with no conversion of K, and the sum over V two keys an instruction, their weights rounded
+// to bfloat16 (as the chunk kernel and flash attention do); softmax in float32.
+template <int C, int G>
+void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, const int64_t* table,
+                      int64_t n, int runtime_group, const Layout& s, float scale, float* score,
+                      uint16_t* weights) {
+  constexpr int kG = G ? G : kMaxGroup, H = C / 2;  // a head's vector: H registers of 32
+  const int group = G ? G : runtime_group;
+  __m512bh qb[kMaxGroup][H];
+  for (int g = 0; g < group; ++g)
+    for (int h = 0; h < H; ++h) qb[g][h] = pairs(q + g * C * kLanes + h * 2 * kLanes);
+  const uint16_t* rows[kLanes];
+  int m = 0;
+  int64_t first = 0;
+  auto flush = [&] {
+    for (int g = 0; g < group; ++g) {
+      f32x16 part[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        for (int h = 0; h < H && j < m; ++h) a = _mm512_dpbf16_ps(a, qb[g][h], pairs(rows[j] + h * 32));
+        part[j] = f32x16(a);
+      }
+      const f32x16 sums = lane_sums(part) * scale;
+      for (int j = 0; j < m; ++j) score[g * n + first + j] = sums[j];
+    }
+    first += m;
+    m = 0;
+  };
+  for_each_token(k0, table, n, s, [&](int64_t, const uint16_t* k) {
+    rows[m++] = k;
+    if (m == kLanes) flush();
+  }, s.kv);
+  if (m) flush();
+  const int64_t even = n + n % 2;  // the weights of key pairs: a zero after an odd count
+  for (int g = 0; g < group; ++g) {
+    softmax(score + g * n, n);
+    for (int64_t t = 0; t < n; t += kLanes) {
+      const __m256bh b = _mm512_cvtneps_pbh(__m512(t + kLanes <= n ? load(score + g * n + t)
+                                                   : load_partial(score + g * n + t, n - t)));
+      std::memcpy(weights + g * even + t, &b, sizeof b);  // the buffer has room past `even`
+    }
+    if (n % 2) weights[g * even + n] = 0;
+  }
+  // Interleaving two keys' rows puts dims 8i..8i+3 of each 32 in one register's pairs and
+  // 8i+4..8i+7 in the other's; the accumulators keep that order until the end.
+  __m512 acc[kG][C];
+  for (int g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  auto fold = [&](const uint16_t* v0, const uint16_t* v1, int64_t pair) {
+    for (int h = 0; h < H; ++h) {
+      const __m512i a = _mm512_loadu_si512(v0 + h * 32), b = _mm512_loadu_si512(v1 + h * 32);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < group; ++g) {
+        uint32_t w;
+        std::memcpy(&w, weights + g * even + 2 * pair, sizeof w);
+        acc[g][2 * h] = _mm512_dpbf16_ps(acc[g][2 * h], pairs(w), lo);
+        acc[g][2 * h + 1] = _mm512_dpbf16_ps(acc[g][2 * h + 1], pairs(w), hi);
+      }
+    }
+  };
+  const uint16_t* held = nullptr;
+  for_each_token(k0 + s.kv, table, n, s, [&](int64_t t, const uint16_t* v) {
+    if (t % 2 == 0) held = v;
+    else fold(held, v, t / 2);
+  });
+  alignas(64) static const uint16_t zeros[C * kLanes] = {};
+  if (n % 2) fold(held, zeros, n / 2);
+  for (int g = 0; g < group; ++g)
+    for (int h = 0; h < H; ++h) {
+      const f32x16 lo = f32x16(acc[g][2 * h]), hi = f32x16(acc[g][2 * h + 1]);
+      uint16_t* o = out + g * C * kLanes + h * 32;
+      store(__builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                    23), o);
+      store(__builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                    29, 30, 31), o + kLanes);
+    }
+}
+#endif
+
 template <typename T, int C, int G>
 void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
             int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, const Layout& s,
@@ -167,6 +261,15 @@ void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_
       thread_local std::vector<float> score;
       score.resize(size_t(group) * lens[i]);
       const int64_t at = (i * heads + h * group) * dim;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        thread_local std::vector<uint16_t> weights;
+        weights.resize(size_t(group) * (lens[i] + 1) + kLanes);
+        attend_head_bf16<C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i],
+                               group, s, scale, score.data(), weights.data());
+        continue;
+      }
+#endif
       attend_head<T, C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i],
                            group, s, scale, score.data());
     }
@@ -339,10 +442,6 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
 }
 
 #if defined(__AVX512BF16__)
-constexpr bool kBf16Dot = true;
-
-inline __m512bh pairs(uint32_t w) { return (__m512bh)_mm512_set1_epi32(int(w)); }
-inline __m512bh pairs(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // fold_span for bfloat16 caches on CPUs with bf16 dot products (AVX512-BF16): scores and the
 // weighted sum of V take two products per instruction, with float32 sums; the weights are

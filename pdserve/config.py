@@ -26,7 +26,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
-    kv_layout: str = "NHD"
+    kv_layout: str = "HND"  # a head's rows contiguous: faster decode attention, unequal TP
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048

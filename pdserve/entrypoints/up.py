@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-dp", type=int, default=1, help="engine ranks per prefill")
     p.add_argument("--decode-dp", type=int, default=1, help="engine ranks per decode")
     p.add_argument("--prefill-tp", type=int, default=1,
-                   help="tensor-parallel ranks per prefill engine (needs --kv-layout HND "
-                   "when it differs from --decode-tp)")
+                   help="tensor-parallel ranks per prefill engine (needs the HND KV layout, "
+                   "the default, when it differs from --decode-tp)")
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode "
                    "engine")
     p.add_argument("--host", default="127.0.0.1")

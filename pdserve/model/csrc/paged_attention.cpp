@@ -125,6 +125,25 @@ inline void for_each_token(const T* base, const int64_t* table, int64_t n, const
   }
 }
 
+// Calls score(rows, m, first) for the K rows of tokens first .. first + m - 1, m <= 16 at
+// a time: a query's 16 scores then take one lane_sums, not 16 sums.
+template <typename T, typename F>
+inline void for_16_keys(const T* k0, const int64_t* table, int64_t n, const Layout& s, F score) {
+  const T* rows[kLanes];
+  int m = 0;
+  int64_t first = 0;
+  auto flush = [&] {
+    score(rows, m, first);
+    first += m;
+    m = 0;
+  };
+  for_each_token(k0, table, n, s, [&](int64_t, const T* k) {
+    rows[m++] = k;
+    if (m == kLanes) flush();
+  }, s.kv);
+  if (m) flush();
+}
+
 // One sequence and one KV head: its query heads at `q` [group, C * 16], out alike. G > 0 is
 // the group size known when compiling (the accumulators then stay in registers), 0 any.
 template <typename T, int C, int G>
@@ -135,19 +154,9 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
   f32x16 qv[kMaxGroup][C], acc[kG][C];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes) * scale;
-  const T* rows[kLanes];  // scores go 16 tokens at a time: one lane_sums, not 16 sums
-  int m = 0;
-  int64_t first = 0;
-  auto flush = [&] {
+  for_16_keys(k0, table, n, s, [&](const T* const* rows, int m, int64_t first) {
     score_tokens<T, C>(qv, group, rows, m, score + first, n);
-    first += m;
-    m = 0;
-  };
-  for_each_token(k0, table, n, s, [&](int64_t, const T* k) {
-    rows[m++] = k;
-    if (m == kLanes) flush();
-  }, s.kv);
-  if (m) flush();
+  });
   for (int g = 0; g < group; ++g) {
     softmax(score + g * n, n);
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
@@ -177,28 +186,19 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
   __m512bh qb[kMaxGroup][H];
   for (int g = 0; g < group; ++g)
     for (int h = 0; h < H; ++h) qb[g][h] = pairs(q + g * C * kLanes + h * 2 * kLanes);
-  const uint16_t* rows[kLanes];
-  int m = 0;
-  int64_t first = 0;
-  auto flush = [&] {
+  for_16_keys(k0, table, n, s, [&](const uint16_t* const* rows, int m, int64_t first) {
     for (int g = 0; g < group; ++g) {
       f32x16 part[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         __m512 a = _mm512_setzero_ps();
-        for (int h = 0; h < H && j < m; ++h) a = _mm512_dpbf16_ps(a, qb[g][h], pairs(rows[j] + h * 32));
+        for (int h = 0; h < H && j < m; ++h)
+          a = _mm512_dpbf16_ps(a, qb[g][h], pairs(rows[j] + h * 32));
         part[j] = f32x16(a);
       }
       const f32x16 sums = lane_sums(part) * scale;
       for (int j = 0; j < m; ++j) score[g * n + first + j] = sums[j];
     }
-    first += m;
-    m = 0;
-  };
-  for_each_token(k0, table, n, s, [&](int64_t, const uint16_t* k) {
-    rows[m++] = k;
-    if (m == kLanes) flush();
-  }, s.kv);
-  if (m) flush();
+  });
   const int64_t even = n + n % 2;  // the weights of key pairs: a zero after an odd count
   for (int g = 0; g < group; ++g) {
     softmax(score + g * n, n);
@@ -457,7 +457,8 @@ inline void fold_span_bf16(Rows<C, R>& st, const uint32_t* kt, const uint32_t* v
   for (int64_t d = 0; d < half; ++d)
     for (int j = 0; j < NG; ++j) {
       const __m512bh k = pairs(kt + ((g + j) * half + d) * kLanes);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pairs(st.qb[r][d]), k);
+      for (int r = 0; r < R; ++r)
+        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pairs(st.qb[r][d]), k);
     }
   f32x16 sc[R][NG];
   for (int r = 0; r < R; ++r)

@@ -371,7 +371,7 @@ constexpr int kSpan = 4;  // 16-key groups per softmax update: 64 keys share its
 // The running softmax state of R query rows of one head: max, sum, unnormalised output.
 template <int C, int R>
 struct Rows {
-  float q[R][C * kLanes], p[R][kSpan * kLanes], m[R], l[R];
+  float q[R][C * kLanes], p[R][kSpan * kLanes], m[R], l[R];  // q: the float32 path's, scaled
   uint32_t qb[R][C * kLanes / 2];  // the bfloat16 path's queries: pairs of dims, unscaled
   f32x16 o[R][C];
 };
@@ -482,15 +482,8 @@ inline void fold_span_bf16(Rows<C, R>& st, const uint32_t* kt, const uint32_t* v
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) st.o[r][c] = f32x16(o[r][c]);
 }
-#else
-constexpr bool kBf16Dot = false;
 #endif
 
-// R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
-// tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
-// spans start at fixed multiples of kSpan groups: each row's arithmetic is the same whatever
-// chunk or tile it comes in (a prompt computed in one chunk or several gives bit-identical
-// results). `rows` < R at a chunk's edges.
 // Staged keys: float32 (see stage_keys), or bfloat16 pairs in 32-bit words where the CPU has
 // bf16 dot products (stage_key_pairs).
 template <typename T>
@@ -519,16 +512,17 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
                  const Staged<T>* vt, int64_t first, int rows, float scale) {
   Rows<C, R> st;
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      const f32x16 x = r < rows ? load(q + r * q_stride + c * kLanes) * scale : f32x16{};
-      store(x, st.q[r] + c * kLanes);
-      st.o[r][c] = f32x16{};
-    }
+    for (int c = 0; c < C; ++c) st.o[r][c] = f32x16{};
     if constexpr (std::is_same_v<Staged<T>, uint32_t>) {  // pairs of bf16 dims, unscaled
       for (int d = 0; d < C * kLanes / 2; ++d)
         st.qb[r][d] = r < rows ? uint32_t(q[r * q_stride + 2 * d]) |
                                      uint32_t(q[r * q_stride + 2 * d + 1]) << 16
                                : 0u;
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const f32x16 x = r < rows ? load(q + r * q_stride + c * kLanes) * scale : f32x16{};
+        store(x, st.q[r] + c * kLanes);
+      }
     }
     st.m[r] = -INFINITY;
     st.l[r] = 0.f;

@@ -83,12 +83,11 @@ def load(url: str, model: str, out: Path, seed: int, *flags: str) -> dict | None
 def measure(url: str, model: str, args: argparse.Namespace, tag: str) -> Results:
     res, work = Results(), args.only
     out = Path(args.out)
-    # An untimed prompt of each length first: both servers then time warm code paths.
-    prefill_ms(url, model, 200, 2, random.Random(0))
+    prefill_ms(url, model, 200, 2, random.Random(0))  # warm-up, untimed
     if "prefill" in work:
         rng = random.Random(1)
         for n in args.prefill_lens:
-            prefill_ms(url, model, n, 1, rng)
+            prefill_ms(url, model, n, 1, rng)  # untimed: each length's paths run warm
             res.prefill_ms[n] = prefill_ms(url, model, n, args.runs, rng)
             print(f"{tag}: {n}-token prefill {res.prefill_ms[n]:.0f} ms", flush=True)
     if "batch" in work:
@@ -111,15 +110,22 @@ def measure(url: str, model: str, args: argparse.Namespace, tag: str) -> Results
     return res
 
 
+def measured(server, url: str, model: str, args: argparse.Namespace, tag: str) -> Results:
+    """`measure` against the server that the context manager `server` runs, then the peak
+    memory of its processes."""
+    with server as proc:
+        res = measure(url, model, args, tag)
+        res.peak_rss_mb = peak_rss_mb(proc.pid)
+        return res
+
+
 def run_pdserve(args: argparse.Namespace, model: str) -> Results:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = ["serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--served-model-name", model]
-    with launched(argv, [url], log=Path(args.out) / "pdserve.log") as proc:
-        res = measure(url, model, args, "pdserve")
-        res.peak_rss_mb = peak_rss_mb(proc.pid)
-        return res
+    server = launched(argv, [url], log=Path(args.out) / "pdserve.log")
+    return measured(server, url, model, args, "pdserve")
 
 
 def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
@@ -127,12 +133,9 @@ def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"VLLM_PEER_MAX_LEN": str(MAX_MODEL_LEN), "VLLM_PEER_MODEL": model}
     cores = f"0-{len(os.sched_getaffinity(0)) - 1}"  # its thread binding: every core
-    with running(["bash", str(peer / "serve.sh"), "mono", str(port), cores], [url],
-                 timeout=600, env=env, name="vllm serve",
-                 log=Path(args.out) / "vllm.log") as proc:
-        res = measure(url, model, args, "vllm")
-        res.peak_rss_mb = peak_rss_mb(proc.pid)
-        return res
+    server = running(["bash", str(peer / "serve.sh"), "mono", str(port), cores], [url],
+                     timeout=600, env=env, name="vllm serve", log=Path(args.out) / "vllm.log")
+    return measured(server, url, model, args, "vllm")
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:

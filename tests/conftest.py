@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.build import build_engine
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import resolve
 from pdserve.model.tokenizer import Tokenizer
@@ -48,7 +49,7 @@ def tokenizer(model_folder: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def engine_f32(model_folder: Path) -> LLMEngine:
     """A float32 engine shared by the session: tests must leave it idle, its pool whole."""
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=ENGINE_KV_BLOCKS))
+    return build_engine(EngineConfig(dtype="float32", num_kv_blocks=ENGINE_KV_BLOCKS))
 
 
 @pytest.fixture(scope="session")

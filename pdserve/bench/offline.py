@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import DTYPES, LLMEngine
+from pdserve.engine import build
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
-from pdserve.model.loader import model_name, resolve
+from pdserve.model.loader import TORCH_DTYPES, model_name, resolve
 
 MAX_TOKEN_ID = 10000  # nano-vllm draws prompt ids from [0, 10000]
 
@@ -47,7 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-input", type=int, default=512)
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=512)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="engine only")
@@ -85,7 +86,7 @@ def _decode_tokens(args: argparse.Namespace, batch: int) -> int:
     return prefill_steps + args.decode_steps + 4
 
 
-def build_engine(args: argparse.Namespace, w: Workload, batches: list[int],
+def engine_for(args: argparse.Namespace, w: Workload, batches: list[int],
                  prefills: list[int]) -> LLMEngine:
     # A pool for every sequence at once (as nano-vllm sizes it), so no run preempts.
     need = sum(_blocks(len(p) + o) for p, o in zip(w.prompts, w.output_lens, strict=True))
@@ -97,7 +98,7 @@ def build_engine(args: argparse.Namespace, w: Workload, batches: list[int],
     # No prefix cache: each attention path times the same prompts, and a cached prompt's
     # prefill would time nothing (random prompts share no prefixes, so the throughput run
     # loses nothing).
-    return LLMEngine(EngineConfig(
+    return build.build_engine(EngineConfig(
         model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed,
@@ -211,7 +212,7 @@ def load_hf(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(resolve(args.model),
-                                                dtype=DTYPES[args.dtype]).eval()
+                                                dtype=TORCH_DTYPES[args.dtype]).eval()
 
 
 def _warm_up(engine: LLMEngine, hf) -> None:
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.decode_batches.split(",") if b.strip()]
     prefills = [int(n) for n in args.prefill_lens.split(",") if n.strip()]
     w = make_workload(args)
-    engine = build_engine(args, w, batches, prefills)
+    engine = engine_for(args, w, batches, prefills)
     hf = None if args.skip_hf else load_hf(args)
     _warm_up(engine, hf)
     print(f"engine: {len(w.prompts)} sequences, {w.output_tokens} output tokens ...", flush=True)

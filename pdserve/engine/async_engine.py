@@ -102,6 +102,9 @@ class AsyncEngine(StreamingClient):
     def describe(self) -> str:
         return self.engine.describe()
 
+    def kv_info(self) -> list[dict]:
+        return self.engine.kv_info()
+
     def shutdown(self) -> None:
         self.loop.shutdown()
         self.engine.close()

@@ -21,28 +21,15 @@ import threading
 import time
 
 import zmq
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
 from pdserve.engine.async_engine import StreamingClient
+from pdserve.engine.dp_rank import RankSpec, run_rank
 from pdserve.engine.request import Request, RequestOutput
 
 log = logging.getLogger("pdserve.dp")
-
-
-@dataclasses.dataclass(slots=True)
-class RankSpec:
-    rank: int
-    config: EngineConfig
-    kv: KVTransferConfig | None
-    side_channel: tuple[str, int]
-    inbox: str  # ipc address this rank pulls commands from
-    outbox: str  # ipc address all ranks push to
-
-
-def rank_engine_id(base: str, rank: int) -> str:
-    return f"{base}_dp{rank}"
 
 
 class DPEngine(StreamingClient):
@@ -213,60 +200,3 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
-
-
-def run_rank(spec: RankSpec) -> None:
-    """Entry point of one engine-rank process."""
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_loop import EngineLoop
-    from pdserve.model.loader import ModelLoadError
-
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s dp{spec.rank} "
-                        "%(name)s: %(message)s")
-    ctx = zmq.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
-    out = ctx.socket(zmq.PUSH)
-    out.connect(spec.outbox)
-    lock = threading.Lock()
-
-    def send(msg: tuple) -> None:
-        with lock:
-            out.send(pickle.dumps(msg))
-
-    registry = CollectorRegistry()
-    kv = spec.kv
-    engine_id = rank_engine_id(kv.engine_id if kv else "local", spec.rank)
-    if kv is not None:
-        kv = dataclasses.replace(kv, engine_id=engine_id)
-    host, base_port = spec.side_channel
-    try:
-        tp = spec.config.tensor_parallel_size
-        engine = LLMEngine(spec.config, kv, registry, engine_id,
-                           (host, base_port + spec.rank * tp), dp_rank=spec.rank)
-    except (ConfigError, ModelLoadError) as e:
-        send(("error", spec.rank, str(e)))
-        return
-    info = [{"engine_id": engine_id, "dp_rank": spec.rank, "tp_rank": 0}]
-    if engine.connector is not None:
-        info = engine.connector.info()
-    loop = EngineLoop(engine, lambda outs: send(("out", outs)))
-    send(("ready", spec.rank, info, engine.describe()))
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(spec.inbox)
-    while True:
-        msg = pickle.loads(inbox.recv())
-        if msg[0] == "add":
-            loop.add(msg[1])
-        elif msg[0] == "abort":
-            loop.abort(msg[1])
-        elif msg[0] == "expire_leases":
-            loop.expire_leases()
-        elif msg[0] == "metrics":
-            send(("metrics", msg[1], list(registry.collect())))
-        else:
-            loop.shutdown()
-            if engine.connector is not None:
-                engine.connector.close()
-            engine.close()
-            return
-

@@ -1,121 +1,76 @@
-"""The engine: model, paged KV cache, scheduler and sampler driven one step at a time.
+"""The engine: model, paged KV cache, scheduler and sampler driven one step at a time, and
+the KV connector asked and told through its contract (kv_transfer/interface.py).
 
-Single-threaded by design: only the step-loop thread calls into it."""
+Single-threaded by design: only the step-loop thread calls into it. engine/build.py
+assembles it from its parts."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Callable
 
-import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
-from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Schedule, Scheduler
-from pdserve.engine.tensor_parallel import (
-    TPGroup,
-    TPModel,
-    WorkerSpec,
-    load_model,
-    new_store,
-    spawn_workers,
-)
-from pdserve.model import loader
-from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import ModelConfig
+from pdserve.kv_transfer.interface import KVConnector, KVConnectorOutput, Load
+from pdserve.kv_transfer.params import FirstToken
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.platforms import get_platform
 
 log = logging.getLogger("pdserve.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_config: KVTransferConfig | None = None,
-                 registry: CollectorRegistry | None = None, engine_id: str = "",
-                 side_channel: tuple[str, int] = ("127.0.0.1", 5600), dp_rank: int = 0) -> None:
-        config.validate()
-        if config.tensor_parallel_size > 1 and config.num_threads is None:  # ranks share cores
-            config.num_threads = max(1, len(os.sched_getaffinity(0))
-                                     // config.tensor_parallel_size)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer,
+                 connector: KVConnector | None = None,
+                 registry: CollectorRegistry | None = None, engine_id: str = "local",
+                 dp_rank: int = 0, on_close: Callable[[], None] | None = None) -> None:
         self.config = config
-        self.dp_rank = dp_rank
-        try:
-            self.platform = get_platform(config.device)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        tp = config.tensor_parallel_size
-        self.device = self.platform.rank_device(dp_rank * tp) if tp > 1 else \
-            self.platform.device()
-        folder = loader.resolve(config.model)
-        try:
-            self.model_config = ModelConfig.from_hf(loader.load_config(folder))
-        except (KeyError, ValueError) as e:
-            raise loader.ModelLoadError(f"{folder / 'config.json'}: {e}") from None
-        self.tokenizer = Tokenizer.from_folder(folder, list(self.model_config.eos_token_ids))
-        self.dtype = DTYPES[config.dtype]
-        try:
-            local = self.model_config.shard(tp)
-        except ValueError as e:
-            raise ConfigError(f"{config.model or loader.EMBEDDED_NAME}: {e}") from None
-        shape = local.kv_shape(config.block_size, config.kv_layout)
-        num_blocks = config.num_kv_blocks or int(
-            config.kv_cache_memory_gib * 2**30 // shape.block_bytes(self.dtype))
-        self.tp_group = None
-        if tp > 1:
-            store = new_store()
-            workers = spawn_workers(self._worker_specs(kv_config, engine_id, side_channel,
-                                                       num_blocks, store.port))
-        model = load_model(config, folder, local, self.dtype, self.device)
-        if tp > 1:
-            self.tp_group = TPGroup.join(workers, store, self.platform, self.device)
-        self.cache = KVCache(shape, num_blocks, self.dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.connector = connector
+        self.engine_id, self.dp_rank = engine_id, dp_rank
+        self._on_close = on_close  # stops what the builder started (tensor-parallel ranks)
+        self.allocator = BlockAllocator(runner.cache.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
-        self.runner = ModelRunner(TPModel(model, self.tp_group) if self.tp_group else model,
-                                  self.cache, Sampler(config.seed))
-        self.engine_id = engine_id or (kv_config.engine_id if kv_config else "local")
-        self.metrics = EngineMetrics(registry or CollectorRegistry(), self.engine_id)
-        self.metrics.blocks_total.set(num_blocks)
+        self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_id)
+        self.metrics.blocks_total.set(self.allocator.num_blocks)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
-        self.connector = None
         self.last_step_computed = False  # did the last step run the model?
         self.last_step_prefilled = False  # ... on prompt tokens (not only decodes)?
-        if kv_config is not None:
-            from pdserve.kv_transfer.factory import make_connector
-            self.connector = make_connector(kv_config, self, registry, side_channel)
         self._update_gauges()
 
-    def _worker_specs(self, kv: KVTransferConfig | None, engine_id: str,
-                      side_channel: tuple[str, int], num_blocks: int, store_port: int
-                      ) -> list[WorkerSpec]:
-        c, (host, port) = self.config, side_channel
-        engine_id = engine_id or (kv.engine_id if kv else "local")
-        return [WorkerSpec(r, c.tensor_parallel_size, c, kv, engine_id, self.dp_rank,
-                           (host, port + r), num_blocks,
-                           self.dp_rank * c.tensor_parallel_size + r, store_port)
-                for r in range(1, c.tensor_parallel_size)]
-
     def close(self) -> None:
-        """Stop the tensor-parallel workers (the step loop must be stopped first)."""
-        if self.tp_group is not None:
-            self.tp_group.stop()
+        """Close the connector and stop the tensor-parallel workers (the step loop must be
+        stopped first)."""
+        if self.connector is not None:
+            self.connector.close()
+        if self._on_close is not None:
+            self._on_close()
 
     def describe(self) -> str:
         tp = self.config.tensor_parallel_size
-        return (f"{self.engine_id} on {self.device}{f' x TP{tp}' if tp > 1 else ''}: "
-                f"{self.allocator.num_blocks} KV blocks of {self.config.block_size} tokens")
+        return (f"{self.engine_id} on {self.runner.cache.tensor.device}"
+                f"{f' x TP{tp}' if tp > 1 else ''}: {self.allocator.num_blocks} KV blocks of "
+                f"{self.config.block_size} tokens")
+
+    def kv_info(self) -> list[dict]:
+        """Where decodes reach each rank of this engine (its identity alone without KV
+        transfer)."""
+        if self.connector is None:
+            return [{"engine_id": self.engine_id, "dp_rank": self.dp_rank, "tp_rank": 0}]
+        return self.connector.info()
+
+    def set_checkpoint(self, checkpoint: Callable[[], None]) -> None:
+        """Call `checkpoint` between the model's layers (core loans: model/llama.py)."""
+        self.runner.model.checkpoint = checkpoint
 
     # -- requests -----------------------------------------------------------------------
 
@@ -123,11 +78,14 @@ class LLMEngine:
         self.requests[req.request_id] = req
         self.detok[req.request_id] = Detokenizer(self.tokenizer, req.params.stop)
         outputs: list[RequestOutput] = []
-        if self.connector is not None:
-            first = self.connector.on_add(req)
-            if first is not None:  # the prefill's first token: emit it before any pull
-                token, logprob, top = first
-                outputs.append(self._append(req, token, logprob, time.monotonic(), top))
+        remote = self.connector.on_new_request(
+            req.request_id, req.kv_transfer_params, req.num_prompt_tokens) \
+            if self.connector is not None else None
+        if remote is not None:
+            req.load_remote = remote.load
+            if (first := remote.first_token) is not None:  # emitted before any pull
+                outputs.append(self._append(req, first.token_id, first.logprob,
+                                            time.monotonic(), first.top_logprobs))
         if not req.finished:
             self.scheduler.add(req)
         return outputs
@@ -140,21 +98,38 @@ class LLMEngine:
         self._update_gauges()  # no step may follow: an idle engine must not show it running
         return self._output(req, [], [])
 
-    def fail_request(self, req: Request, error: str) -> RequestOutput:
-        req.error = error
-        self._finish(req, "error")
-        self._update_gauges()
-        return self._output(req, [], [])
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with `error` (the step failed)."""
+        return [self._fail(r, error) for r in list(self.requests.values())]
 
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- the connector's side of the loop -----------------------------------------------
+
+    def kv_busy(self) -> bool:
+        """Transfers only polling advances are under way."""
+        return self.connector is not None and self.connector.busy()
+
+    def idle_timeout(self, default: float) -> float:
+        """How long the loop may sleep with nothing to compute."""
+        return default if self.connector is None else min(default,
+                                                          self.connector.poll_interval())
+
+    def end_leases(self) -> None:
+        if self.connector is not None:
+            self.connector.end_leases()
 
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self.connector is not None:
-            outputs += self.connector.poll()
+            outputs += self._apply(self.connector.poll())
             # Pulls start before the schedule: one that lands at once joins this step.
             outputs += self._admitted(self.scheduler.admit_loads())
         sched = self.scheduler.schedule()
@@ -171,7 +146,25 @@ class LLMEngine:
         self.metrics.preemptions.inc(len(sched.preempted))
         self.metrics.prefix_queries.inc(sched.cache_queries)
         self.metrics.prefix_hits.inc(sched.cache_hits)
-        return self.connector.start_load(sched.to_load) if sched.to_load else []
+        if not sched.to_load:
+            return []
+        return self._apply(self.connector.start_loads(
+            [Load(r.request_id, r.block_ids, r.num_cached_tokens) for r in sched.to_load]))
+
+    def _apply(self, out: KVConnectorOutput) -> list[RequestOutput]:
+        """Act on what the connector reports."""
+        self.allocator.free(out.free_blocks)
+        for rid in out.loaded:
+            if (req := self.requests.get(rid)) is not None:
+                # Without a first token from the prefill, the last prompt token runs here.
+                self.scheduler.loaded(req, ok=True, recompute_last=req.num_output_tokens == 0)
+        for rid in out.recompute:
+            if (req := self.requests.get(rid)) is not None:
+                if req.status is Status.WAITING_FOR_REMOTE_KV:
+                    self.scheduler.loaded(req, ok=False)
+                req.load_remote = False
+        return [self._fail(req, why) for rid, why in out.failed.items()
+                if (req := self.requests.get(rid)) is not None]
 
     def _run(self, items: list[tuple[Request, int]]) -> list[RequestOutput]:
         prompt = sum(min(n, req.num_prompt_tokens - req.num_computed_tokens)
@@ -216,20 +209,29 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
-        """End a request: leave the queues, free (or hand over) its blocks."""
+        """End a request: leave the queues, free its blocks (or leave them to the
+        connector, which gives them back later)."""
         req.finish_reason = reason
-        was_loading = req.status is Status.WAITING_FOR_REMOTE_KV
         req.status = Status.FINISHED
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        if self.connector is not None and self.connector.on_finish(req, was_loading):
-            return  # the connector holds the blocks (lease, or a pull still writing them)
-        self.free_blocks(req)
-
-    def free_blocks(self, req: Request) -> None:
+        if self.connector is not None:
+            first = FirstToken(req.output_token_ids[0], req.output_logprobs[0],
+                               (req.output_top_logprobs or [[]])[0]) \
+                if reason in ("stop", "length") and req.num_output_tokens else None
+            kept, req.response_kv_params = self.connector.request_finished(
+                req.request_id, req.kv_transfer_params, req.block_ids, first)
+            if kept:
+                return
         self.allocator.free(req.block_ids)
         req.block_ids = []
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        req.error = error
+        self._finish(req, "error")
+        self._update_gauges()
+        return self._output(req, [], [])
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[float],
                 top: list[TopLogprobs] | None = None) -> RequestOutput:

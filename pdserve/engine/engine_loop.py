@@ -3,7 +3,6 @@ hands each step's outputs to a callback, and sleeps when there is nothing to do.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -12,6 +11,7 @@ from collections.abc import Callable
 
 from pdserve.engine import core_loan
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.heap import freeze_heap
 from pdserve.engine.request import Request, RequestOutput
 
 log = logging.getLogger("pdserve.engine")
@@ -29,7 +29,7 @@ class EngineLoop:
         self._stopped = False
         self.lender, self.borrower = core_loan.from_env(engine.dp_rank)
         if self.borrower is not None:  # (only single-rank engines borrow)
-            engine.runner.model.checkpoint = self.borrower.take
+            engine.set_checkpoint(self.borrower.take)
         freeze_heap()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -60,7 +60,7 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             computed = False
             work = self.engine.has_work()
-            busy = work or self._connector_busy()
+            busy = work or self.engine.kv_busy()
             self._before_step(work, busy)
             start = time.monotonic()
             if busy:
@@ -82,7 +82,7 @@ class EngineLoop:
                         lent := self.lender.after_step(time.monotonic() - start)):
                     self.engine.metrics.loan_lent.inc(lent)
             elif not outputs:  # nothing ran: sleep until work arrives or a poll is due
-                self._wake.wait(self._idle_timeout())
+                self._wake.wait(self.engine.idle_timeout(self.idle_poll_s))
                 self._wake.clear()
 
     def _before_step(self, work: bool, busy: bool) -> None:
@@ -92,7 +92,7 @@ class EngineLoop:
             # Held blocks awaiting a pull keep an engine busy polling, but compute nothing.
             self.lender.before_step(work)
         if self.borrower is not None:
-            self.borrower.before_step(busy, self.engine.scheduler.num_unfinished)
+            self.borrower.before_step(busy, self.engine.num_unfinished)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -102,29 +102,11 @@ class EngineLoop:
             if kind == "add":
                 outputs += self.engine.add_request(item)
             elif kind == "expire_leases":
-                if self.engine.connector is not None:
-                    self.engine.connector.end_leases()
+                self.engine.end_leases()
             elif (out := self.engine.abort_request(item)) is not None:
                 outputs.append(out)
         return outputs
 
-    def _connector_busy(self) -> bool:
-        c = self.engine.connector
-        return c is not None and c.busy()
-
-    def _idle_timeout(self) -> float:
-        c = self.engine.connector
-        return self.idle_poll_s if c is None else min(self.idle_poll_s, c.poll_interval())
-
     def _fail_all(self, trace: str) -> list[RequestOutput]:
         log.error("engine step failed; failing its requests:\n%s", trace)
-        error = trace.strip().splitlines()[-1]
-        return [self.engine.fail_request(r, f"internal error: {error}")
-                for r in list(self.engine.requests.values())]
-
-
-def freeze_heap() -> None:
-    """Exempt everything built so far (modules, tokenizer, engine) from garbage collection:
-    a full collection would otherwise walk it all and stall a step by 100 ms or more."""
-    gc.collect()
-    gc.freeze()
+        return self.engine.fail_all(f"internal error: {trace.strip().splitlines()[-1]}")

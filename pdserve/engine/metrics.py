@@ -1,20 +1,14 @@
-"""Prometheus metrics of one engine (names fixed in DESIGN.md), labelled by engine id."""
+"""Prometheus metrics of one engine, labelled by engine id (their names are an interface:
+dashboards and the tests scrape them)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-disable_created_metrics()  # the *_created series only add noise to every scrape
+from pdserve.metrics import labelled_factory
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
             5.0, 10.0, 30.0)
-
-
-def labelled_factory(registry: CollectorRegistry, engine_id: str):
-    """A maker of metrics in `registry` that are already labelled with `engine_id`."""
-    def labelled(kind, name: str, doc: str, **kw):
-        return kind(name, doc, ["engine_id"], registry=registry, **kw).labels(engine_id)
-    return labelled
 
 
 class EngineMetrics:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, logprob)
+from pdserve.kv_transfer.params import KVParams, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -48,8 +48,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None
-    response_kv_params: dict[str, Any] | None = None  # a prefill's answer for the decode
+    kv_transfer_params: KVParams | None = None
+    response_kv_params: KVParams | None = None  # a prefill's answer for the decode
     load_remote: bool = False  # its prompt KV is to be pulled from a remote prefill
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
@@ -100,7 +100,7 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: str | None = None
     error: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVParams | None = None
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # if asked for
 
     @property

@@ -19,18 +19,21 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+from pdserve.config import ConfigError, EngineConfig
+from pdserve.engine.heap import freeze_heap
 from pdserve.model import loader
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import Batch, Chunk, LlamaModel, ModelConfig
+from pdserve.platforms import get_platform
 from pdserve.platforms.base import Platform
 
 log = logging.getLogger("pdserve.tp")
@@ -39,19 +42,28 @@ log = logging.getLogger("pdserve.tp")
 IDLE_TIMEOUT = timedelta(days=365)
 
 
+class KVHandler(Protocol):
+    """A worker's KV transfer, as the worker loop drives it (kv_transfer/tp_transport.py)."""
+
+    def info(self) -> dict[str, Any]: ...
+
+    def handle(self, cmd: tuple, reply: Callable[[Any], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclasses.dataclass(slots=True)
 class WorkerSpec:
-    """What a worker rank needs to build its shard and (with KV transfer) its NIXL agent."""
+    """What a worker rank needs to build its shard and answer rank 0."""
     tp_rank: int
     tp_size: int
     config: EngineConfig
-    kv: KVTransferConfig | None
-    engine_id: str
-    dp_rank: int
-    side_channel: tuple[str, int]  # this rank's own host and port
     num_blocks: int
     device_index: int
     store_port: int
+    # Builds this rank's KV transfer over its cache shard; None without KV transfer. It is
+    # pickled into the worker, so a module-level callable (or a partial of one).
+    kv_handler: Callable[[KVCache], KVHandler] | None = None
 
 
 def load_model(config: EngineConfig, folder: Path, local: ModelConfig, dtype: torch.dtype,
@@ -219,10 +231,6 @@ def run_worker(spec: WorkerSpec) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s "
                         f"tp{spec.tp_rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
-    from pdserve.engine.engine import DTYPES
-    from pdserve.engine.engine_loop import freeze_heap
-    from pdserve.platforms import get_platform
-
     cfg = spec.config
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -232,14 +240,11 @@ def run_worker(spec: WorkerSpec) -> None:
         platform = get_platform(cfg.device)
         device = platform.rank_device(spec.device_index)
         folder = loader.resolve(cfg.model)
-        local = ModelConfig.from_hf(loader.load_config(folder)).shard(spec.tp_size)
-        dtype = DTYPES[cfg.dtype]
-        shape = local.kv_shape(cfg.block_size, cfg.kv_layout)
-        cache = KVCache(shape, spec.num_blocks, dtype, device)
-        kv = None
-        if spec.kv is not None:
-            from pdserve.kv_transfer.tp_transport import WorkerKV
-            kv = WorkerKV.build(spec, cache, dtype, platform)
+        local = ModelConfig.from_folder(folder).shard(spec.tp_size)
+        dtype = loader.TORCH_DTYPES[cfg.dtype]
+        cache = KVCache(local.kv_shape(cfg.block_size, cfg.kv_layout), spec.num_blocks, dtype,
+                        device)
+        kv = spec.kv_handler(cache) if spec.kv_handler is not None else None
         model = load_model(cfg, folder, local, dtype, device, spec.tp_rank)
     except Exception as e:  # whatever fails, rank 0 must hear why, not wait
         store.set(f"error{spec.tp_rank}", str(e) or type(e).__name__)
@@ -255,7 +260,7 @@ def run_worker(spec: WorkerSpec) -> None:
     dist.destroy_process_group()
 
 
-def _serve(group: TPGroup, model: LlamaModel, cache: KVCache, kv: Any) -> None:
+def _serve(group: TPGroup, model: LlamaModel, cache: KVCache, kv: KVHandler | None) -> None:
     while True:
         try:
             cmd = group.recv()
@@ -266,4 +271,4 @@ def _serve(group: TPGroup, model: LlamaModel, cache: KVCache, kv: Any) -> None:
         elif cmd[0] == "stop":
             return
         else:
-            kv.handle(cmd, group)
+            kv.handle(cmd, group.reply)

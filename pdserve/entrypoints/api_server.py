@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput
 from pdserve.entrypoints.admission import Admission, Ticket
+from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -29,13 +29,13 @@ from pdserve.entrypoints.protocol import (
     _Body,
     error_body,
     require_api_key,
+    valid_request_id,
 )
 from pdserve.entrypoints.streams import merge_streams
+from pdserve.kv_transfer.params import KVParams
 from pdserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.api")
-# It goes into log lines and response headers: printable ASCII only (as the proxy's rule).
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class HTTPError(Exception):
@@ -51,14 +51,14 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
-    validate_kv_params: Callable[[dict[str, Any], int], None] | None = None
+    validate_kv_params: Callable[[KVParams, int], None] | None = None
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
     api_key: str | None = None
     served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
     admission: Admission = field(default_factory=Admission)
     request_timeout: float | None = None  # seconds; a request's own may be shorter
     # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking).
-    release_remote: Callable[[dict[str, Any]], None] | None = None
+    release_remote: Callable[[KVParams], None] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -154,23 +154,24 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
         raise HTTPError(400, f"This model's maximum context length is {state.max_model_len} "
                              f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in "
                              f"the prompt, {max_tokens} to generate).")
-    params = {k: v for k, v in (body.kv_transfer_params or {}).items() if v is not None}
-    if params and state.validate_kv_params is not None:
-        try:
+    given = {k: v for k, v in (body.kv_transfer_params or {}).items() if v is not None}
+    try:
+        params = KVParams.from_dict(given) if given else None
+        if params is not None and state.validate_kv_params is not None:
             state.validate_kv_params(params, len(ids))
-        except ValueError as e:
-            raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
+    except ValueError as e:
+        raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
     if params and body.n > 1:  # a prefill answers one set of params per request
         raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
                              "requests (pdserve's proxy does)")
     if (given := raw.headers.get("x-request-id")) is not None and \
-            not _REQUEST_ID.fullmatch(given):
+            not valid_request_id(given):
         raise HTTPError(400, "X-Request-Id must be 1 to 256 printable ASCII characters")
     # The engine's ids keep the client's X-Request-Id (so every log line about the request
     # names it) plus a suffix: one server may see the same id twice (prefill and decode,
     # or the choices of n).
     return [EngineRequest(f"{request_id(raw)}-{uuid.uuid4().hex[:8]}", ids,
-                          body.sampling_params(max_tokens, i), params or None)
+                          body.sampling_params(max_tokens, i), params)
             for i in range(body.n)]
 
 
@@ -178,7 +179,7 @@ def request_id(raw: Request) -> str:
     """The client's X-Request-Id, or one made up for this request (echoed in the answer)."""
     if not hasattr(raw.state, "request_id"):
         given = raw.headers.get("x-request-id", "")
-        raw.state.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        raw.state.request_id = given if valid_request_id(given) else uuid.uuid4().hex
     return raw.state.request_id
 
 
@@ -187,8 +188,8 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
     ticket = state.admission.admit()
     if not isinstance(ticket, Ticket):
         log.warning("request %s: refused with %d: %s", reqs[0].request_id, *ticket)
-        p = reqs[0].kv_transfer_params or {}
-        if p.get("do_remote_prefill") and state.release_remote is not None:
+        p = reqs[0].kv_transfer_params
+        if p is not None and p.do_remote_prefill and state.release_remote is not None:
             # Its engine never sees it, so nothing else would let the prefill go before
             # the lease ends (under overload, when its blocks are needed most).
             asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
@@ -206,7 +207,7 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
         return StreamingResponse(_sse(fmt, outputs), media_type="text/event-stream",
                                  headers=headers, background=BackgroundTask(ticket.release))
     collect = asyncio.ensure_future(_collect(fmt, outputs))
-    gone = asyncio.ensure_future(_disconnected(raw))
+    gone = asyncio.ensure_future(disconnected(raw))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # cancelling the collector closes the stream, which aborts the request
@@ -221,9 +222,9 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
 
 
 def _role(req: EngineRequest) -> str:
-    p = req.kv_transfer_params or {}
-    return ", prefill for a remote decode" if p.get("do_remote_decode") else \
-        ", decode of a remote prefill" if p.get("do_remote_prefill") else ""
+    p = req.kv_transfer_params
+    return "" if p is None else ", prefill for a remote decode" if p.do_remote_decode else \
+        ", decode of a remote prefill" if p.do_remote_prefill else ""
 
 
 async def _released(outputs: AsyncIterator[RequestOutput],
@@ -278,12 +279,6 @@ async def _run(state: ServerState, outputs: AsyncIterator[RequestOutput], req: E
 async def _collect(fmt: ResponseFormat, outputs: AsyncIterator[RequestOutput]) -> None:
     async for out in outputs:
         fmt.add(out)
-
-
-async def _disconnected(raw: Request) -> None:
-    """Returns once the client has gone (the body is read, so the next message says so)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _sse(fmt: ResponseFormat, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:

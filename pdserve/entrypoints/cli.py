@@ -13,9 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from pdserve.bench import cli as bench
-    from pdserve.entrypoints import proxy, serve, up
+    from pdserve.entrypoints import proxy_cli, serve, up
     serve.add_parser(sub)
-    proxy.add_parser(sub)
+    proxy_cli.add_parser(sub)
     up.add_parser(sub)
     bench.add_parser(sub)
     args = parser.parse_args(argv)

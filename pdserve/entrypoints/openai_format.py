@@ -51,7 +51,7 @@ class ResponseFormat:
         c.top_logprobs += out.new_top_logprobs
         c.finish_reason = out.finish_reason
         if out.kv_transfer_params is not None:
-            self.kv_transfer_params = out.kv_transfer_params
+            self.kv_transfer_params = out.kv_transfer_params.to_dict()
         return c
 
     def usage(self) -> dict[str, int]:
@@ -77,7 +77,7 @@ class ResponseFormat:
         c.started = True
         if out.finished:
             if out.kv_transfer_params is not None:
-                chunks[-1]["kv_transfer_params"] = out.kv_transfer_params
+                chunks[-1]["kv_transfer_params"] = out.kv_transfer_params.to_dict()
             last = all(c.finish_reason for c in self.choices.values())
             if last and self.body.include_usage:  # OpenAI: one chunk after every choice
                 chunks.append({**self.envelope([], final=False), "usage": self.usage()})

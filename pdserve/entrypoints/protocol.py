@@ -1,9 +1,11 @@
 """OpenAI-compatible request bodies (plus vLLM's extensions: kv_transfer_params, top_k,
-ignore_eos, stop_token_ids) and the error body."""
+ignore_eos, stop_token_ids), the error body, and the HTTP rules server and proxy share
+(request ids, API keys)."""
 
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -14,6 +16,9 @@ from pdserve.engine.request import SamplingParams
 
 MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default max_logprobs
 MAX_N = 128  # choices per request, as OpenAI's
+# A request id goes into backends' headers, response headers and log lines: printable
+# ASCII only, and not too long to read.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class _Body(BaseModel):
@@ -121,6 +126,16 @@ class ChatCompletionRequest(_Body):
 def error_body(message: str, code: int, kind: str = "invalid_request_error",
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error"
+                   ) -> JSONResponse:
+    return JSONResponse(error_body(message, status, kind), status_code=status)
+
+
+def valid_request_id(request_id: str) -> bool:
+    """Whether a client's X-Request-Id can be used as it is (server and proxy alike)."""
+    return _REQUEST_ID.fullmatch(request_id) is not None
 
 
 def require_api_key(app: FastAPI, key: str | None) -> None:

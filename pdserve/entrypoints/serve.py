@@ -1,4 +1,8 @@
-"""`pdserve serve`: one engine behind the OpenAI-compatible API."""
+"""`pdserve serve`: one engine behind the OpenAI-compatible API.
+
+The engine and the HTTP stack are imported inside the functions that start them: every
+`pdserve` command registers its arguments here, and most (`proxy`, `up`, `--help`) must
+start without importing torch."""
 
 from __future__ import annotations
 
@@ -135,18 +139,14 @@ def _remote_releaser(kv: KVTransferConfig | None):
     if kv is None or not kv.is_consumer:
         return None
     from pdserve.kv_transfer import side_channel
-    from pdserve.kv_transfer.params import complete
+    from pdserve.kv_transfer.params import KVParams
 
     x = kv.kv_connector_extra_config
 
-    def release(p: dict) -> None:
-        if not complete(p) or not isinstance(rid := p.get("remote_request_id"), str):
-            return
-        try:
-            side_channel.release(p["remote_host"], p["remote_port"], rid,
-                                 x.handshake_timeout, x.side_channel_secret)
-        except side_channel.HandshakeError as e:  # best effort: the lease frees them anyway
-            log.info("request %s: could not release its blocks: %s", rid, e)
+    def release(p: KVParams) -> None:
+        if p.complete and p.remote_request_id is not None:
+            side_channel.release_quietly(p.remote_host, p.remote_port, p.remote_request_id,
+                                         x.handshake_timeout, x.side_channel_secret)
     return release
 
 
@@ -154,42 +154,37 @@ def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from prometheus_client import CollectorRegistry
 
     from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.entrypoints.api_server import ServerState
-    from pdserve.model.loader import model_name
+    from pdserve.engine.build import build_engine
 
     registry = CollectorRegistry()
-    engine = LLMEngine(cfg, kv, registry,
-                       side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
-    c = engine.connector
-    return ServerState(AsyncEngine(engine, registry), engine.tokenizer, model_name(cfg.model),
-                       cfg.max_model_len, validate_kv_params=c.validate_params if c else None,
-                       kv_info=c.info if c else None, api_key=args.api_key,
-                       served_model_names=args.served_model_name or [])
+    engine = build_engine(cfg, kv, registry,
+                          side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
+    return _state(args, cfg, kv, AsyncEngine(engine, registry), engine.tokenizer)
 
 
 def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from pdserve.engine.dp_engine import DPEngine
-    from pdserve.entrypoints.api_server import ServerState
-    from pdserve.kv_transfer.params import ParamsValidator
     from pdserve.model import loader
     from pdserve.model.llama import ModelConfig
     from pdserve.model.tokenizer import Tokenizer
 
     folder = loader.resolve(cfg.model)  # converts a GGUF once, before the ranks start
-    mcfg = ModelConfig.from_hf(loader.load_config(folder))
-    tokenizer = Tokenizer.from_folder(folder, list(mcfg.eos_token_ids))
+    tokenizer = Tokenizer.from_folder(folder,
+                                      list(ModelConfig.from_folder(folder).eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores
         cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size
                               // cfg.tensor_parallel_size)
     side = (args.kv_side_channel_host, args.kv_side_channel_port)
-    dp = DPEngine(cfg, kv, args.data_parallel_size, side)
-    validate = None
-    if kv is not None:
-        x = kv.kv_connector_extra_config
-        validate = ParamsValidator(cfg.block_size, tokenizer.vocab_size,
-                                   frozenset({side[0], *x.allowed_remote_hosts}),
-                                   kv.is_consumer)
-    return ServerState(dp, tokenizer, loader.model_name(cfg.model), cfg.max_model_len,
-                       validate_kv_params=validate, kv_info=dp.kv_info if kv else None,
+    return _state(args, cfg, kv, DPEngine(cfg, kv, args.data_parallel_size, side), tokenizer)
+
+
+def _state(args, cfg: EngineConfig, kv: KVTransferConfig | None, engine, tokenizer):
+    from pdserve.entrypoints.api_server import ServerState
+    from pdserve.kv_transfer.params import ParamsValidator
+    from pdserve.model.loader import model_name
+
+    validate = ParamsValidator.of(kv, cfg.block_size, tokenizer.vocab_size,
+                                  args.kv_side_channel_host) if kv is not None else None
+    return ServerState(engine, tokenizer, model_name(cfg.model), cfg.max_model_len,
+                       validate_kv_params=validate, kv_info=engine.kv_info if kv else None,
                        api_key=args.api_key, served_model_names=args.served_model_name or [])

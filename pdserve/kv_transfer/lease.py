@@ -43,8 +43,3 @@ class LeaseTable:
         now = time.monotonic() if now is None else now
         gone = [rid for rid, lease in self.leases.items() if lease.deadline <= now]
         return [(rid, self.leases.pop(rid).block_ids) for rid in gone]
-
-    def release_all(self) -> list[int]:
-        blocks = [b for lease in self.leases.values() for b in lease.block_ids]
-        self.leases.clear()
-        return blocks

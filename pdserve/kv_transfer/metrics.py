@@ -1,10 +1,11 @@
-"""KV transfer metrics (names fixed in DESIGN.md), labelled by engine id."""
+"""KV transfer metrics, labelled by engine id (their names are an interface: dashboards and
+the tests scrape them), plus plain totals for the periodic log line."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.metrics import labelled_factory
+from pdserve.metrics import labelled_factory
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 30.0)
 _DESCS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
@@ -13,6 +14,8 @@ _DESCS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 class TransferMetrics:
     def __init__(self, registry: CollectorRegistry, engine_id: str) -> None:
         labelled = labelled_factory(registry, engine_id)
+        # Totals for the log line (Prometheus keeps its own values private).
+        self.num_pulls = self.num_bytes = self.num_failures = self.num_expired = 0
 
         self.transfers = labelled(Counter, "pdserve_kv_transfers", "KV pulls completed")
         self.bytes = labelled(Counter, "pdserve_kv_transfer_bytes", "KV bytes pulled")
@@ -34,3 +37,19 @@ class TransferMetrics:
             "Read-done notifications received from decode ranks (one per reader per request)")
         self.recomputed = labelled(Counter, "pdserve_kv_transfer_recomputed",
                                    "Requests whose prompt was recomputed instead of pulled")
+
+    def pulled(self, nbytes: int, descs: int, seconds: float) -> None:
+        self.transfers.inc()
+        self.bytes.inc(nbytes)
+        self.descriptors.observe(descs)
+        self.seconds.observe(seconds)
+        self.num_pulls += 1
+        self.num_bytes += nbytes
+
+    def failed(self) -> None:
+        self.failures.inc()
+        self.num_failures += 1
+
+    def expired(self) -> None:
+        self.lease_expired.inc()
+        self.num_expired += 1

@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-XferState = Literal["DONE", "PROC", "ERR"]
+from pdserve.kv_transfer.transport import XferState
+
 Progress = Literal["thread", "poll", "spin"]
 
-# Measured on one host with two processes (docs/transfer-notes.md):
+# Measured on one host with two processes:
 # - UCX_TLS: naming cma makes an intra-node READ one zero-copy process_vm_readv by the
 #   initiator (~memcpy speed, no target involvement); with UCX_TLS unset UCX 1.21 picked a
 #   software-emulated GET over tcp (target answers with AM fragments) at ~1/3 the rate.

@@ -1,25 +1,124 @@
-"""Checks on kv_transfer_params a client sent, before the request reaches an engine."""
+"""`kv_transfer_params` (vLLM's HTTP protocol) as a typed value: parsed and checked once, when
+a request arrives, then read by name wherever it goes."""
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pdserve.config import KVTransferConfig
+
 REMOTE_KEYS = ("remote_host", "remote_port", "remote_block_ids", "remote_engine_id")
+TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, logprob)
 
 
-def complete(p: dict[str, Any]) -> bool:
-    """Enough to pull from a prefill (anything less is recomputed locally)."""
-    return all(p.get(k) is not None for k in REMOTE_KEYS)
+@dataclass(slots=True)
+class FirstToken:
+    """The token a prefill sampled, handed to the decode with the KV."""
+    token_id: int
+    logprob: float
+    top_logprobs: TopLogprobs = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVParams:
+    do_remote_decode: bool = False  # to a prefill: hold the KV for a remote decode
+    do_remote_prefill: bool = False  # to a decode: pull the prompt's KV from a prefill
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int | None = None
+    first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    first_token_top_logprobs: TopLogprobs | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVParams:
+        """Parse a client's params; ValueError names the malformed key. Keys this server
+        does not know are ignored (vLLM sends more), and so are nulls."""
+        p = cls(**{f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None})
+        p._check_types()
+        if p.first_token_top_logprobs is not None:
+            p.first_token_top_logprobs = [(int(t), float(lp))
+                                          for t, lp in p.first_token_top_logprobs]
+        return p
+
+    @classmethod
+    def for_decode(cls, engine_id: str, host: str, port: int, request_id: str,
+                   block_ids: list[int], tp_size: int, first: FirstToken) -> KVParams:
+        """A prefill's answer: where a decode finds the prompt's KV, and the first token."""
+        return cls(do_remote_prefill=True, remote_engine_id=engine_id,
+                   remote_block_ids=list(block_ids), remote_request_id=request_id,
+                   remote_host=host, remote_port=port, tp_size=tp_size,
+                   first_token_id=first.token_id, first_token_logprob=first.logprob,
+                   first_token_top_logprobs=first.top_logprobs or None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        if self.first_token_top_logprobs is not None:
+            d["first_token_top_logprobs"] = [[t, lp] for t, lp in self.first_token_top_logprobs]
+        return d
+
+    @property
+    def complete(self) -> bool:
+        """Enough to pull from a prefill (anything less is recomputed locally)."""
+        return all(getattr(self, k) is not None for k in REMOTE_KEYS)
+
+    @property
+    def pulls(self) -> bool:
+        """A decode is to pull this request's prompt KV (else it recomputes it)."""
+        return self.do_remote_prefill and self.complete
+
+    @property
+    def first_token(self) -> FirstToken | None:
+        if self.first_token_id is None:
+            return None
+        return FirstToken(self.first_token_id, float(self.first_token_logprob or 0.0),
+                          list(self.first_token_top_logprobs or []))
+
+    def _check_types(self) -> None:
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be a boolean")
+        for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+            if not isinstance(getattr(self, key), str | None):
+                raise ValueError(f"{key} must be a string")
+        for key in ("remote_port", "tp_size", "first_token_id"):
+            if not isinstance(v := getattr(self, key), int | None) or isinstance(v, bool):
+                raise ValueError(f"{key} must be an integer")
+        ids = self.remote_block_ids
+        if ids is not None and not (isinstance(ids, list) and all(
+                _is_int(b) and b >= 0 for b in ids)):
+            raise ValueError("remote_block_ids must be a list of non-negative integers")
+        if not isinstance(lp := self.first_token_logprob, int | float | None) or \
+                isinstance(lp, bool):
+            raise ValueError("first_token_logprob must be a number")
+        top = self.first_token_top_logprobs
+        if top is not None and not (isinstance(top, list) and all(
+                isinstance(e, list | tuple) and len(e) == 2 and _is_int(e[0])
+                and isinstance(e[1], int | float) and not isinstance(e[1], bool)
+                for e in top)):
+            raise ValueError("first_token_top_logprobs must be a list of [token id, logprob] "
+                             "pairs")
 
 
 @dataclass(slots=True, frozen=True)
 class ParamsValidator:
+    """What this server accepts of a client's params, beyond their types."""
     block_size: int
     vocab_size: int
     allowed_hosts: frozenset[str]
     is_consumer: bool
+
+    @classmethod
+    def of(cls, kv: KVTransferConfig, block_size: int, vocab_size: int,
+           side_channel_host: str) -> ParamsValidator:
+        extra = kv.kv_connector_extra_config.allowed_remote_hosts
+        allowed = frozenset({side_channel_host, *extra})
+        return cls(block_size, vocab_size, allowed, kv.is_consumer)
 
     def host_allowed(self, host: str) -> bool:
         if host in self.allowed_hosts or host == "localhost":
@@ -29,47 +128,34 @@ class ParamsValidator:
         except ValueError:
             return False
 
-    def __call__(self, p: dict[str, Any], prompt_len: int) -> None:
-        """Refuse params that are malformed or point where we must not go (ValueError)."""
-        for key in ("do_remote_decode", "do_remote_prefill"):
-            if key in p and not isinstance(p[key], bool):
-                raise ValueError(f"{key} must be a boolean")
-        if not p.get("do_remote_prefill"):
+    def __call__(self, p: KVParams, prompt_len: int) -> None:
+        """Refuse params that contradict themselves or point where we must not go
+        (ValueError)."""
+        if not p.do_remote_prefill:
             return
-        if p.get("do_remote_decode"):
+        if p.do_remote_decode:
             raise ValueError("do_remote_prefill and do_remote_decode are exclusive")
         if not self.is_consumer:
             raise ValueError("this server is a KV producer (kv_role kv_producer); it does "
                              "not pull KV")
-        if not complete(p):
-            return  # merely unusable: the prompt is recomputed here
-        self._check_remote(p, prompt_len)
+        if p.complete:  # anything less is merely unusable: the prompt is recomputed here
+            self._check_remote(p, prompt_len)
 
-    def _check_remote(self, p: dict[str, Any], prompt_len: int) -> None:
-        host, port, ids = p["remote_host"], p["remote_port"], p["remote_block_ids"]
-        if not isinstance(host, str) or not self.host_allowed(host):
-            raise ValueError(f"remote_host {host!r} is not allowed (allowed: loopback, "
-                             f"{', '.join(sorted(self.allowed_hosts))}; see "
+    def _check_remote(self, p: KVParams, prompt_len: int) -> None:
+        if not self.host_allowed(p.remote_host):
+            raise ValueError(f"remote_host {p.remote_host!r} is not allowed (allowed: "
+                             f"loopback, {', '.join(sorted(self.allowed_hosts))}; see "
                              "kv_connector_extra_config.allowed_remote_hosts)")
-        if not _is_int(port) or not 0 < port < 65536:
+        if not 0 < p.remote_port < 65536:
             raise ValueError("remote_port must be an integer in 1..65535")
-        if not isinstance(ids, list) or not all(_is_int(b) and b >= 0 for b in ids):
-            raise ValueError("remote_block_ids must be a list of non-negative integers")
         need = -(-prompt_len // self.block_size)
-        if len(ids) != need:
-            raise ValueError(f"remote_block_ids has {len(ids)} blocks; a {prompt_len}-token "
-                             f"prompt fills {need}")
-        if not isinstance(p["remote_engine_id"], str) or \
-                not isinstance(p.get("remote_request_id", ""), str):
-            raise ValueError("remote_engine_id and remote_request_id must be strings")
-        first = p.get("first_token_id")
-        if first is not None and (not _is_int(first) or not 0 <= first < self.vocab_size):
+        if len(p.remote_block_ids) != need:
+            raise ValueError(f"remote_block_ids has {len(p.remote_block_ids)} blocks; a "
+                             f"{prompt_len}-token prompt fills {need}")
+        first = p.first_token_id
+        if first is not None and not 0 <= first < self.vocab_size:
             raise ValueError("first_token_id must be a token id of this model")
-        top = p.get("first_token_top_logprobs")
-        if top is not None and not (isinstance(top, list) and all(
-                isinstance(e, list) and len(e) == 2 and _is_int(e[0])
-                and 0 <= e[0] < self.vocab_size and isinstance(e[1], int | float)
-                and not isinstance(e[1], bool) for e in top)):
+        if any(not 0 <= t < self.vocab_size for t, _ in p.first_token_top_logprobs or []):
             raise ValueError("first_token_top_logprobs must be a list of [token id, logprob] "
                              "pairs")
 

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from pdserve.config import ConfigError
-from pdserve.kv_transfer.base import Misconfigured
+from pdserve.kv_transfer.transport import Misconfigured
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -105,6 +105,16 @@ def release(host: str, port: int, request_id: str, timeout_s: float,
             secret: str | None) -> None:
     """Tell a prefill rank to free a request's blocks without reading them."""
     _ask(host, port, {"type": "release", "request_id": request_id}, timeout_s, secret)
+
+
+def release_quietly(host: str, port: int, request_id: str, timeout_s: float,
+                    secret: str | None) -> None:
+    """`release`, best effort: if the prefill cannot be told, its lease frees the blocks."""
+    try:
+        release(host, port, request_id, timeout_s, secret)
+    except HandshakeError as e:
+        log.info("request %s: could not release its blocks on %s:%d: %s", request_id, host,
+                 port, e)
 
 
 def _ask(host: str, port: int, msg: dict[str, Any], timeout_s: float,

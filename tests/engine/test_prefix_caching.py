@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import EngineConfig
+from pdserve.engine.build import build_engine
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, Status
 from tests.engine.test_scheduler import _add, _finish, _items, _scheduler, _step
@@ -72,7 +73,7 @@ def test_a_request_that_cannot_be_admitted_gives_its_cached_blocks_back():
 
 @pytest.fixture(scope="module")
 def engine_no_cache(model_folder) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64,
+    return build_engine(EngineConfig(dtype="float32", num_kv_blocks=64,
                                   enable_prefix_caching=False))
 
 
@@ -82,7 +83,7 @@ def test_cache_hits_change_no_output_and_cut_computed_prompt_tokens(tokenizer,
     shared = ids[:70]
     prompts = [shared + ids[100:110], shared + ids[120:125], shared]
     registry = CollectorRegistry()
-    cached = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64), registry=registry)
+    cached = build_engine(EngineConfig(dtype="float32", num_kv_blocks=64), registry=registry)
 
     def run(engine: LLMEngine) -> list[list[int]]:
         out = [run_engine(engine, [Request("warm", prompts[0], greedy(12))])["warm"].token_ids]

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.build import build_engine
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
 from pdserve.engine.scheduler import Schedule, Scheduler
@@ -136,7 +137,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def test_preemption_when_blocks_run_out(prompts, hf_reference):
     # 10 blocks of 16 tokens; each request needs 4 (40 + 24 tokens): not all fit at once.
     registry = CollectorRegistry()
-    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=10), registry=registry)
+    engine = build_engine(EngineConfig(dtype="float32", num_kv_blocks=10), registry=registry)
     reqs = [Request(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
     gens = run_engine(engine, reqs)  # asserts the pool is whole after
     assert registry.get_sample_value("pdserve_num_preemptions_total",

@@ -136,10 +136,10 @@ def test_up_passes_the_routing_flags_to_its_proxy():
 def test_max_prefill_queue_takes_a_number_or_off(capsys):
     import argparse
 
-    from pdserve.entrypoints import proxy
+    from pdserve.entrypoints import proxy_cli
 
     sub = argparse.ArgumentParser().add_subparsers()
-    proxy.add_parser(sub)
+    proxy_cli.add_parser(sub)
     parse = sub.choices["proxy"].parse_args
     base = ["--prefill", "http://p", "--decode", "http://d"]
     assert parse(base).max_prefill_queue is None  # off unless asked

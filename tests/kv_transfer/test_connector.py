@@ -1,5 +1,6 @@
-"""Scheduler-side bookkeeping of the P/D connector over a fake transport (the real NIXL
-path is covered end to end in tests/e2e/test_pd.py)."""
+"""The P/D connector through its contract (kv_transfer/interface.py) over a fake transport:
+what it answers and reports for each event. The real NIXL path is covered end to end in
+tests/e2e/test_pd.py, the engine's side of the contract in tests/engine/test_engine_kv.py."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.config import EngineConfig, KVTransferConfig
-from pdserve.engine.block_allocator import BlockAllocator, chain_hashes
-from pdserve.engine.request import Request, RequestOutput, SamplingParams, Status
-from pdserve.engine.scheduler import Scheduler
-from pdserve.kv_transfer.base import Peer, Transport
+from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.connector import PDConnector
 from pdserve.kv_transfer.host_buffer import HostBuffer
+from pdserve.kv_transfer.interface import (
+    ConnectorContext,
+    KVConnectorOutput,
+    Load,
+    RemotePrefill,
+)
 from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.params import FirstToken, KVParams
+from pdserve.kv_transfer.transport import IncompatibleKV, Peer, Transport
 from pdserve.platforms.cpu import CPU
+
+BLOCK_SIZE, BLOCK_BYTES = 4, 1000
+FIRST = FirstToken(42, -0.5, [])
 
 
 class FakeTransport(Transport):
@@ -48,7 +56,7 @@ class FakeTransport(Transport):
         return handle.state
 
     def handle_stats(self, handle):
-        return len(handle.local) * 1000, 1
+        return len(handle.local) * BLOCK_BYTES, 1
 
     def notify(self, peer, msg):
         self.sent.append(msg)
@@ -67,274 +75,237 @@ class FakeTransport(Transport):
         pass
 
 
-class FakeEngine:
-    """The parts of LLMEngine the connector uses."""
-
-    def __init__(self, num_blocks: int = 16) -> None:
-        self.config = EngineConfig(block_size=4, max_num_batched_tokens=64)
-        self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(self.config, self.allocator)
-        self.cache = SimpleNamespace(block_bytes=1000)
-        self.tokenizer = SimpleNamespace(vocab_size=1000)
-        self.failed: list[tuple[str, str]] = []
-
-    def free_blocks(self, req):
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
-
-    def fail_request(self, req, error):
-        self.failed.append((req.request_id, error))
-        req.status = Status.FINISHED
-        self.scheduler.remove(req)
-        self.free_blocks(req)
-        return RequestOutput(req.request_id, [], [], "", 0, 0, "error", error)
-
-
-def make(policy: str = "recompute", staging: HostBuffer | None = None,
-         **extra) -> tuple[PDConnector, FakeEngine, FakeTransport]:
-    cfg = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+def make(policy: str = "recompute", staging: HostBuffer | None = None, role: str = "kv_both",
+         **extra) -> tuple[PDConnector, FakeTransport]:
+    cfg = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": role,
                                       "kv_load_failure_policy": policy,
                                       "kv_connector_extra_config": extra})
-    engine, transport = FakeEngine(), FakeTransport()
-    conn = PDConnector(cfg, engine, transport, TransferMetrics(CollectorRegistry(), "e"),
-                       "127.0.0.1", staging)
-    return conn, engine, transport
+    ctx = ConnectorContext("me", 0, 1, BLOCK_SIZE, BLOCK_BYTES, 1000)
+    transport = FakeTransport()
+    metrics = TransferMetrics(CollectorRegistry(), "me")
+    return PDConnector(cfg, ctx, transport, metrics, staging), transport
 
 
-def decode_request(rid: str = "d1", prompt_len: int = 10, **params) -> Request:
-    p = {"do_remote_prefill": True, "remote_engine_id": "prefill-a",
-         "remote_block_ids": [7, 8, 9], "remote_request_id": "p1",
-         "remote_host": "127.0.0.1", "remote_port": 5600, "first_token_id": 42,
-         "first_token_logprob": -0.5, **params}
-    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=5), p)
+def decode_params(**overrides) -> KVParams:
+    return KVParams.from_dict({
+        "do_remote_prefill": True, "remote_engine_id": "prefill-a",
+        "remote_block_ids": [7, 8, 9], "remote_request_id": "p1", "remote_host": "127.0.0.1",
+        "remote_port": 5600, "first_token_id": 42, "first_token_logprob": -0.5, **overrides})
 
 
-def finished_prefill(engine: FakeEngine, prompt_len: int) -> Request:
-    """A do_remote_decode request that just sampled its one token (5, logprob -1)."""
-    req = Request("p1", list(range(prompt_len)), SamplingParams(max_tokens=1),
-                  {"do_remote_decode": True})
-    req.block_ids = engine.allocator.allocate(-(-prompt_len // engine.config.block_size))
-    req.token_ids.append(5)
-    req.output_logprobs.append(-1.0)
-    req.finish_reason = "length"
-    return req
+def admit(conn: PDConnector, blocks: list[int], cached_tokens: int = 0, prompt_len: int = 10,
+          **overrides) -> KVConnectorOutput:
+    """A decode request arrives and gets its blocks."""
+    remote = conn.on_new_request("d1", decode_params(**overrides), prompt_len)
+    assert remote == RemotePrefill(True, FIRST if "first_token_id" not in overrides else None)
+    return conn.start_loads([Load("d1", blocks, cached_tokens)])
 
 
-def settle(conn: PDConnector) -> list[RequestOutput]:
+def settle(conn: PDConnector) -> KVConnectorOutput:
     """Let the handshake thread finish, then poll."""
-    wait(list(conn.connecting.values()), timeout=5)
+    wait(list(conn.consumer.connecting.values()), timeout=5)
     return conn.poll()
 
 
-def admit(conn: PDConnector, engine: FakeEngine, req: Request) -> None:
-    assert conn.on_add(req) == (42, -0.5, [])
-    req.token_ids.append(42)  # what the engine does with the first token
-    engine.scheduler.add(req)
-    sched = engine.scheduler.schedule()
-    assert sched.to_load == [req] and req.status is Status.WAITING_FOR_REMOTE_KV
-    conn.start_load(sched.to_load)
-
-
-def test_pull_lands_and_request_runs_from_the_first_token():
-    conn, engine, transport = make()
-    req = decode_request()
-    admit(conn, engine, req)
-    settle(conn)
+def test_pull_lands_and_is_reported_loaded():
+    conn, transport = make()
+    assert admit(conn, [0, 1, 2]) == KVConnectorOutput()  # the handshake is still running
+    assert settle(conn) == KVConnectorOutput()  # the read is posted, not landed
     (read,) = transport.reads
-    assert read.remote == [7, 8, 9] and read.local == req.block_ids[:3]
-    assert read.notif == b"done:p1"
+    assert (read.local, read.remote, read.notif) == ([0, 1, 2], [7, 8, 9], b"done:p1")
     read.state = "DONE"
-    conn.poll()
-    assert req.status is Status.RUNNING and req.num_computed_tokens == 10
-    assert conn.metrics.transfers._value.get() == 1 and not conn.pulls
-    (req2, n), = engine.scheduler.schedule().items
-    assert req2 is req and n == 1  # only the first token is computed here
+    assert conn.poll() == KVConnectorOutput(loaded=["d1"])
+    assert conn.metrics.num_pulls == 1 and conn.metrics.num_bytes == 3000
+    assert not conn.busy()
 
 
-def _cache_locally(engine: FakeEngine, tokens: list[int]) -> list[int]:
-    """Blocks of `tokens` computed here before, now free but still in the prefix cache."""
-    n = len(tokens) // engine.config.block_size
-    blocks = engine.allocator.allocate(n)
-    for block, h in zip(blocks, chain_hashes(tokens, engine.config.block_size, [], n),
-                        strict=True):
-        engine.allocator.cache(block, h)
-    engine.allocator.free(blocks)
-    return blocks
+def test_a_read_that_lands_at_once_is_reported_by_start_loads():
+    conn, transport = make()
+    conn.on_new_request("warm", decode_params(), 10)
+    settle(conn)  # a peer now known: the next pull posts its read in start_loads
+    transport.sent.clear()
+    conn.on_new_request("d1", decode_params(), 10)
+    transport.read = lambda *a: SimpleNamespace(local=a[1], state="DONE")
+    assert conn.start_loads([Load("d1", [0, 1, 2], 0)]) == KVConnectorOutput(loaded=["d1"])
 
 
 def test_blocks_in_the_local_prefix_cache_are_not_pulled_again():
-    conn, engine, transport = make()
-    cached = _cache_locally(engine, list(range(8)))
-    req = decode_request()  # 10 prompt tokens: blocks 7, 8 (full) and 9 on the prefill
-    admit(conn, engine, req)
+    conn, transport = make()
+    admit(conn, [3, 4, 5], cached_tokens=8)  # blocks 7, 8 (full) are cached here
     settle(conn)
     (read,) = transport.reads
-    assert req.block_ids[:2] == cached and read.remote == [9] and read.local == req.block_ids[2:]
-    assert conn.metrics.bytes_saved._value.get() == 2000
+    assert read.remote == [9] and read.local == [5]
+    assert conn.metrics.bytes_saved._value.get() == 2 * BLOCK_BYTES
     read.state = "DONE"
-    conn.poll()
-    assert req.status is Status.RUNNING and req.num_computed_tokens == 10
+    assert conn.poll().loaded == ["d1"]
 
 
 def test_a_full_local_hit_pulls_nothing_and_tells_the_prefill():
-    conn, engine, transport = make()
-    cached = _cache_locally(engine, list(range(8)))
-    req = decode_request(prompt_len=8, remote_block_ids=[7, 8])
-    admit(conn, engine, req)
-    settle(conn)
-    assert not transport.reads and transport.sent == [b"done:p1"] and not conn.pulls
-    assert req.block_ids == cached and req.status is Status.RUNNING
-    assert req.num_computed_tokens == 8
+    conn, transport = make()
+    admit(conn, [3, 4], cached_tokens=8, prompt_len=8, remote_block_ids=[7, 8])
+    assert settle(conn) == KVConnectorOutput(loaded=["d1"])
+    assert not transport.reads and transport.sent == [b"done:p1"] and not conn.busy()
 
 
-def test_host_buffer_is_staged_in_before_the_request_runs():
+def test_host_buffer_is_staged_in_before_the_request_is_loaded():
     cache = torch.zeros(16, 2)
     staging = HostBuffer(CPU, cache, torch.arange(32.0).reshape(16, 2))
-    conn, engine, transport = make(staging=staging)
-    req = decode_request()
-    admit(conn, engine, req)
+    conn, transport = make(staging=staging)
+    admit(conn, [0, 1, 2])
     settle(conn)
     transport.reads[0].state = "DONE"
-    conn.poll()
-    ids = req.block_ids[:3]
-    assert torch.equal(cache[ids], staging.host[ids]) and req.status is Status.RUNNING
-    others = [i for i in range(16) if i not in ids]
-    assert not cache[others].any()
+    assert conn.poll().loaded == ["d1"]
+    assert torch.equal(cache[[0, 1, 2]], staging.host[[0, 1, 2]]) and not cache[3:].any()
 
 
 def test_prefill_stages_out_before_announcing():
     cache = torch.arange(32.0).reshape(16, 2)
     staging = HostBuffer(CPU, cache, torch.zeros(16, 2))
-    conn, engine, _ = make(staging=staging)
-    req = finished_prefill(engine, prompt_len=10)
-    assert conn.on_finish(req, was_loading=False)
-    assert torch.equal(staging.host[req.block_ids], cache[req.block_ids])
+    conn, _ = make(staging=staging)
+    kept, _ = conn.request_finished("p1", KVParams(do_remote_decode=True), [1, 2, 3],
+                                    FirstToken(5, -1.0))
+    assert kept and torch.equal(staging.host[[1, 2, 3]], cache[[1, 2, 3]])
 
 
-def test_without_first_token_the_last_prompt_token_is_recomputed():
-    conn, engine, transport = make()
-    req = decode_request(first_token_id=None)
-    assert conn.on_add(req) is None
-    engine.scheduler.add(req)
-    conn.start_load(engine.scheduler.schedule().to_load)
+def test_without_a_first_token_none_is_handed_on():
+    conn, transport = make()
+    admit(conn, [0, 1, 2], first_token_id=None)
     settle(conn)
     transport.reads[0].state = "DONE"
-    conn.poll()
-    assert req.num_computed_tokens == 9
+    assert conn.poll().loaded == ["d1"]
 
 
 def test_abort_during_read_keeps_blocks_until_the_read_ends():
-    conn, engine, transport = make()
-    req = decode_request()
-    admit(conn, engine, req)
+    conn, transport = make()
+    admit(conn, [0, 1, 2, 3])
     settle(conn)
-    free_before = engine.allocator.num_free
-    req.status = Status.FINISHED
-    assert conn.on_finish(req, was_loading=True)  # blocks are still being written
-    assert engine.allocator.num_free == free_before
+    assert conn.request_finished("d1", decode_params(), [0, 1, 2, 3], None) == (True, None)
+    assert conn.poll() == KVConnectorOutput()  # still being written
     transport.reads[0].state = "DONE"
-    conn.poll()
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert conn.poll() == KVConnectorOutput(free_blocks=[0, 1, 2, 3])  # not loaded
 
 
 def test_abort_before_handshake_still_tells_the_prefill():
-    conn, engine, transport = make()
-    req = decode_request()
-    conn.on_add(req)
-    req.status = Status.FINISHED
-    assert not conn.on_finish(req, was_loading=False)
-    settle(conn)
-    assert b"done:p1" in transport.sent and not conn.pulls
+    conn, transport = make()
+    conn.on_new_request("d1", decode_params(), 10)
+    assert conn.request_finished("d1", decode_params(), [0, 1, 2], None) == (False, None)
+    assert settle(conn) == KVConnectorOutput()
+    assert b"done:p1" in transport.sent and not transport.reads and not conn.busy()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_read_applies_policy(policy):
-    conn, engine, transport = make(policy)
-    req = decode_request()
-    admit(conn, engine, req)
+    conn, transport = make(policy)
+    admit(conn, [0, 1, 2])
     settle(conn)
     transport.reads[0].state = "ERR"
     out = conn.poll()
-    assert conn.metrics.failures._value.get() == 1
+    assert conn.metrics.num_failures == 1 and b"done:p1" in transport.sent
     if policy == "recompute":
-        assert req.status is Status.WAITING and not req.load_remote and out == []
-        assert engine.scheduler.waiting[0] is req
+        assert out == KVConnectorOutput(recompute=["d1"])
     else:
-        assert out[0].error and "failed" in out[0].error
-        assert engine.allocator.num_free == engine.allocator.num_blocks
+        assert list(out.failed) == ["d1"] and "failed" in out.failed["d1"]
+        assert not out.recompute and not out.free_blocks  # the engine frees its blocks
+
+
+def test_failed_read_of_an_ended_request_gives_its_blocks_back():
+    conn, transport = make()
+    admit(conn, [0, 1, 2])
+    settle(conn)
+    conn.request_finished("d1", decode_params(), [0, 1, 2], None)
+    transport.reads[0].state = "ERR"
+    assert conn.poll() == KVConnectorOutput(free_blocks=[0, 1, 2])
 
 
 def test_read_timeout_fails_the_pull():
-    conn, engine, transport = make("fail", transfer_timeout=0.05)
-    req = decode_request()
-    admit(conn, engine, req)
+    conn, _ = make("fail", transfer_timeout=0.05)
+    admit(conn, [0, 1, 2])
     settle(conn)
     time.sleep(0.1)
-    (out,) = conn.poll()
-    assert "timed out" in out.error
+    assert "timed out" in conn.poll().failed["d1"]
 
 
 def test_handshake_failure_and_engine_id_mismatch_fail_clearly():
-    conn, engine, transport = make("fail")
+    conn, transport = make("fail")
     transport.refuse = RuntimeError("connection refused")
-    req = decode_request()
-    admit(conn, engine, req)
-    (out,) = settle(conn)
-    assert "handshake" in out.error and "connection refused" in out.error
-    conn._pool.shutdown(wait=True)
+    admit(conn, [0, 1, 2])
+    why = settle(conn).failed["d1"]
+    assert "handshake" in why and "connection refused" in why
+    conn.consumer._pool.shutdown(wait=True)
     assert transport.released == ["p1"]  # the prefill still gets its blocks back
-    conn2, engine2, transport2 = make("fail")
+    conn2, transport2 = make("fail")
     transport2.engine_id = "someone-else"
-    req2 = decode_request()
-    admit(conn2, engine2, req2)
-    (out2,) = settle(conn2)
-    assert "unknown remote_engine_id" in out2.error
+    admit(conn2, [0, 1, 2])
+    assert "unknown remote_engine_id" in settle(conn2).failed["d1"]
+
+
+def test_a_misconfigured_pair_fails_even_under_the_recompute_policy():
+    conn, transport = make("recompute")
+    transport.refuse = IncompatibleKV("block_size: prefill 16, decode 32")
+    admit(conn, [0, 1, 2])
+    out = settle(conn)
+    assert "block_size" in out.failed["d1"] and not out.recompute
+
+
+def test_a_load_whose_pull_was_given_up_is_recomputed():
+    conn, transport = make()
+    transport.refuse = RuntimeError("connection refused")
+    conn.on_new_request("d1", decode_params(), 10)
+    assert settle(conn).recompute == ["d1"]
+    assert conn.start_loads([Load("d1", [0, 1, 2], 0)]) == KVConnectorOutput(recompute=["d1"])
 
 
 def test_prefill_holds_blocks_under_a_lease_until_the_reader_is_done():
-    conn, engine, transport = make(kv_lease_duration=0.2)
-    req = finished_prefill(engine, prompt_len=10)
-    assert conn.on_finish(req, was_loading=False)
-    p = req.response_kv_params
-    assert p["do_remote_prefill"] and p["remote_block_ids"] == req.block_ids
-    assert p["first_token_id"] == 5 and p["remote_request_id"] == "p1"
-    assert p["remote_port"] == 5600 and p["tp_size"] == 1
+    conn, transport = make(kv_lease_duration=0.2)
+    kept, p = conn.request_finished("p1", KVParams(do_remote_decode=True), [4, 5, 6],
+                                    FirstToken(5, -1.0))
+    assert kept and p.do_remote_prefill and p.remote_block_ids == [4, 5, 6]
+    assert (p.first_token_id, p.remote_request_id, p.remote_port, p.tp_size) == \
+        (5, "p1", 5600, 1)
+    assert p.to_dict()["remote_engine_id"] == "me" and "first_token_top_logprobs" not in \
+        p.to_dict()
     transport.inbox.append(b"renew:p1")
-    conn.poll()
-    assert engine.allocator.num_free == 13
+    assert conn.poll() == KVConnectorOutput() and conn.busy()
     transport.inbox.append(b"done:p1")
-    conn.poll()
-    assert engine.allocator.num_free == 16 and conn.metrics.lease_expired._value.get() == 0
+    assert conn.poll() == KVConnectorOutput(free_blocks=[4, 5, 6])
+    assert conn.metrics.num_expired == 0 and not conn.busy()
 
 
 def test_unrenewed_lease_expires_and_is_counted():
-    conn, engine, transport = make(kv_lease_duration=0.05)
-    req = finished_prefill(engine, prompt_len=4)
-    conn.on_finish(req, was_loading=False)
+    conn, _ = make(kv_lease_duration=0.05)
+    conn.request_finished("p1", KVParams(do_remote_decode=True), [4], FirstToken(5, -1.0))
     time.sleep(0.1)
-    conn.poll()
-    assert engine.allocator.num_free == 16 and conn.metrics.lease_expired._value.get() == 1
+    assert conn.poll() == KVConnectorOutput(free_blocks=[4])
+    assert conn.metrics.num_expired == 1
 
 
-def test_validate_params():
-    conn, _, _ = make()
-    good = decode_request().kv_transfer_params
-    conn.validate_params(good, 10)
-    conn.validate_params({"do_remote_prefill": True}, 10)  # unusable: recomputed, not refused
-    for bad, word in [({"remote_host": "192.168.0.1"}, "not allowed"),
-                      ({"remote_block_ids": [1]}, "fills 3"),
-                      ({"remote_block_ids": [1, -2, 3]}, "non-negative"),
-                      ({"remote_port": 70000}, "remote_port"),
-                      ({"first_token_id": 10**6}, "first_token_id"),
-                      ({"do_remote_decode": "yes"}, "boolean")]:
-        with pytest.raises(ValueError, match=word):
-            conn.validate_params({**good, **bad}, 10)
+def test_end_leases_frees_every_held_block_at_the_next_poll():
+    conn, _ = make()
+    conn.request_finished("p1", KVParams(do_remote_decode=True), [4], FirstToken(5, -1.0))
+    conn.request_finished("p2", KVParams(do_remote_decode=True), [6, 7], FirstToken(5, -1.0))
+    conn.end_leases()
+    assert sorted(conn.poll().free_blocks) == [4, 6, 7]
+
+
+def test_only_completed_prefills_for_a_remote_decode_are_held():
+    conn, _ = make()
+    assert conn.request_finished("p1", KVParams(do_remote_decode=True), [4], None) == \
+        (False, None)  # aborted: no first token
+    assert conn.request_finished("p2", None, [4], FirstToken(5, -1.0)) == (False, None)
+
+
+@pytest.mark.parametrize(("role", "pulls", "holds"), [
+    ("kv_producer", False, True), ("kv_consumer", True, False), ("kv_both", True, True)])
+def test_the_role_decides_what_the_connector_does(role, pulls, holds):
+    conn, _ = make(role=role)
+    assert (conn.on_new_request("d1", decode_params(), 10) is not None) == pulls
+    kept, _ = conn.request_finished("p1", KVParams(do_remote_decode=True), [4],
+                                    FirstToken(5, -1.0))
+    assert kept == holds
 
 
 def test_short_prompts_are_recomputed_and_the_prefill_released():
-    conn, engine, transport = make(min_transfer_tokens=64)
-    req = decode_request()
-    conn.on_add(req)
-    assert not req.load_remote
+    conn, transport = make(min_transfer_tokens=64)
+    assert conn.on_new_request("d1", decode_params(), 10) == RemotePrefill(False, FIRST)
     settle(conn)
-    assert b"done:p1" in transport.sent
+    assert b"done:p1" in transport.sent and not transport.reads

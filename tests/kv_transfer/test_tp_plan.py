@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv_transfer.base import IncompatibleKV
 from pdserve.kv_transfer.nixl_agent import Region
 from pdserve.kv_transfer.tp_plan import (
     BlockGeometry,
@@ -18,6 +17,7 @@ from pdserve.kv_transfer.tp_plan import (
     slice_descs,
     tag,
 )
+from pdserve.kv_transfer.transport import IncompatibleKV
 from pdserve.model.llama import ModelConfig
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.base import DONE, IncompatibleKV, Peer, Transport, XferState
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Region, TransferError, Xfer
 from pdserve.kv_transfer.side_channel import SideChannelServer, handshake
 from pdserve.kv_transfer.tp_plan import (
@@ -25,6 +25,8 @@ from pdserve.kv_transfer.tp_plan import (
     slice_descs,
     tag,
 )
+from pdserve.kv_transfer.transport import DONE, IncompatibleKV, Peer, Transport, XferState
+from pdserve.model.kv_cache import KVCache
 
 PROTOCOL_VERSION = 1
 # What both sides' blocks must agree on for a byte-for-byte read.
@@ -59,6 +61,20 @@ class NixlTransport(Transport):
         self._released: list[bytes] = []  # appended by the side-channel thread
         self.server = SideChannelServer(host, port, self._answer, self._on_release,
                                         secret) if serve else None
+
+    @classmethod
+    def for_cache(cls, config: KVTransferConfig, engine_id: str, cache: KVCache,
+                  buffer: torch.Tensor, side_channel: tuple[str, int], tp_size: int = 1,
+                  tp_rank: int = 0) -> NixlTransport:
+        """One rank's transport over `buffer`: its KV shard, or a host mirror of it."""
+        s = cache.shape
+        layout = {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads,
+                  "head_dim": s.head_dim, "block_size": s.block_size, "layout": s.layout,
+                  "dtype": str(cache.tensor.dtype).removeprefix("torch."),
+                  "block_bytes": cache.block_bytes, "tp_size": tp_size, "tp_rank": tp_rank}
+        x = config.kv_connector_extra_config
+        return cls(engine_id, buffer, layout, *side_channel, x.handshake_timeout,
+                   x.side_channel_secret, serve=config.is_producer)
 
     def info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "tp_rank": self.tp_rank,
@@ -151,7 +167,8 @@ class NixlTransport(Transport):
             self.agent.notify(peer.agent, msg)
 
     def release(self, host: str, port: int, request_id: str) -> None:
-        side_channel.release(host, port, request_id, self.handshake_timeout, self.secret)
+        side_channel.release_quietly(host, port, request_id, self.handshake_timeout,
+                                     self.secret)
 
     def _on_release(self, request_id: str) -> None:
         self._released.append(DONE + request_id.encode())

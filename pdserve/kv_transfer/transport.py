@@ -1,8 +1,6 @@
-"""The connector interface: the engine talks to KV transfer only through these.
-
-`Transport` is the worker side (memory registration, handshakes, one-sided reads,
-notifications); `PDConnector` (connector.py) is the scheduler side, the bookkeeping
-over any Transport. A second transport (push/WRITE, shared memory) is a new Transport."""
+"""What moves KV bytes between engines: memory registration, handshakes, one-sided reads,
+notifications. `PDConnector` (connector.py) keeps the books over any Transport; a second
+way to move bytes (push/WRITE, shared memory) is a new Transport."""
 
 from __future__ import annotations
 
@@ -64,7 +62,8 @@ class Transport(ABC):
 
     @abstractmethod
     def release(self, host: str, port: int, request_id: str) -> None:
-        """Free a prefill's blocks without a peer (blocking; off the engine thread)."""
+        """Ask a prefill to free a request's blocks without a peer (blocking; off the engine
+        thread). Best effort: a failure is logged, and the prefill's lease frees them."""
 
     @abstractmethod
     def info(self) -> dict[str, Any]:

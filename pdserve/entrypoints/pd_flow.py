@@ -1,0 +1,262 @@
+"""A request's way through `pdserve proxy`'s tiers: to a prefill (max_tokens=1,
+do_remote_decode), then to a decode with the kv_transfer_params the prefill returned,
+whose answer is relayed. Short prompts, or all prompts while the prefill tier is backed
+up, may go straight to a decode, which then prefills them itself; n > 1 choices go as n
+such exchanges. Proxy.post sends to a tier, moving on past backends that are down.
+
+Speaks vLLM's P/D HTTP protocol, so it can front vLLM instances as well as pdserve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.entrypoints.protocol import MAX_N, error_response
+from pdserve.entrypoints.proxy_metrics import ProxyMetrics
+from pdserve.entrypoints.routing import Backend, Disaggregation, Pool, PromptTokens, prefix_key
+from pdserve.entrypoints.streams import choice_body, merged_events, sum_usage
+
+log = logging.getLogger("pdserve.proxy")
+
+
+class BackendDown(Exception):
+    pass
+
+
+def request_log(request_id: str) -> logging.LoggerAdapter:
+    """The proxy's logger with every line prefixed by the request's id."""
+    return _RequestLog(log, {"request_id": request_id})
+
+
+class _RequestLog(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"request {self.extra['request_id']}: {msg}", kwargs
+
+
+@dataclass(slots=True)
+class Sent:
+    """A backend's answer being read; finish() once it has been read or dropped."""
+    backend: Backend
+    pool: Pool
+    resp: httpx.Response
+    start: float
+    metrics: ProxyMetrics
+    local: bool  # a plain request to a decode, which prefills it (until prefilled())
+
+    def prefilled(self) -> None:
+        """Its first token is back (or it ended without one)."""
+        if self.local:
+            self.local = False
+            self.backend.local_prefills -= 1
+
+    def finish(self) -> None:
+        self.prefilled()
+        self.backend.outstanding -= 1
+        labels = (self.backend.url, self.pool.name)
+        self.metrics.backend_seconds.labels(*labels).observe(time.monotonic() - self.start)
+        self.metrics.backend_requests.labels(*labels, str(self.resp.status_code)).inc()
+
+
+@dataclass(slots=True)
+class Proxy:
+    prefill: Pool
+    decode: Pool
+    client: httpx.AsyncClient
+    api_key: str | None = None
+    backend_key: str | None = None
+    disagg: Disaggregation = field(default_factory=Disaggregation)
+    prompt_tokens: PromptTokens | None = None  # loaded only when routing needs counts
+    prefix_tokens: int = 64  # the prefix policy's key: this many leading prompt tokens
+    metrics: ProxyMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ProxyMetrics([self.prefill, self.decode])
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        h = {"X-Request-Id": request_id}
+        if self.backend_key:
+            h["Authorization"] = f"Bearer {self.backend_key}"
+        return h
+
+    async def post(self, pool: Pool, path: str, body: dict, request_id: str,
+                   stream: bool, key: bytes | None = None, local: bool = False) -> Sent:
+        """POST to the first backend of `pool` that answers; BackendDown if none does.
+        `local`: a plain request to a decode, counted in its local_prefills from now."""
+        tried = []
+        # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
+        # (json.loads took them); the backend judges the body, not the proxy.
+        content = json.dumps(body, separators=(",", ":"))
+        headers = {**self.headers(request_id), "Content-Type": "application/json"}
+        backends, fell_back = pool.order(key)
+        if fell_back:
+            self.metrics.prefix_fallbacks.labels(pool.name).inc()
+        for b in backends:
+            req = self.client.build_request("POST", b.url + path, content=content,
+                                            headers=headers)
+            b.outstanding += 1
+            b.local_prefills += local
+            start = time.monotonic()
+            try:
+                resp = await self.client.send(req, stream=stream)
+                # A 503 (draining, or shedding load) says: not here, now. The next backend
+                # may take it, unless the body names a prefill's KV: the refusing decode
+                # has told that prefill to free it (_exchange starts over instead).
+                b.mark(reachable=resp.status_code != 503)
+                if resp.status_code != 503 or b is backends[-1] or _pulls_kv(body):
+                    return Sent(b, pool, resp, start, self.metrics, local)
+                await resp.aclose()
+                b.unsent(local)
+                self.metrics.retries.labels(b.url, pool.name).inc()
+                tried.append(f"{b.url} (503)")
+                request_log(request_id).warning("%s backend %s answered 503; trying the next",
+                                                pool.name, b.url)
+            except asyncio.CancelledError:  # our client went away
+                b.unsent(local)
+                raise
+            except httpx.TransportError as e:
+                b.unsent(local)
+                b.mark(reachable=False)
+                self.metrics.retries.labels(b.url, pool.name).inc()
+                tried.append(f"{b.url} ({type(e).__name__})")
+                request_log(request_id).warning("%s backend %s unreachable: %s", pool.name,
+                                                b.url, e)
+        raise BackendDown(f"no {pool.name} backend is reachable: {', '.join(tried)}")
+
+
+async def answer(proxy: Proxy, path: str, body: dict, request_id: str,
+                 stream: bool) -> Response:
+    """The tiers' answer to a client's request (a JSON object)."""
+    exchange = _fan_out if _fans_out(body) else _exchange
+    return await exchange(proxy, path, body, request_id, stream)
+
+
+def _pulls_kv(body: dict) -> bool:
+    return bool((body.get("kv_transfer_params") or {}).get("do_remote_prefill"))
+
+
+async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
+                    stream: bool) -> Response:
+    """One request through the tiers; once more if it got a 503 where another decode could
+    serve it (a draining decode refuses a prefilled request and is then tried last)."""
+    response = await _through_tiers(proxy, path, body, request_id, stream)
+    if response.status_code == 503 and len(proxy.decode.backends) > 1:
+        request_log(request_id).info("answered 503; once more, on other backends")
+        response = await _through_tiers(proxy, path, body, request_id, stream)
+    return response
+
+
+async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
+                         stream: bool) -> Response:
+    """One request through the tiers: prefill then decode, or a decode alone."""
+    rlog = request_log(request_id)
+    tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None
+    key = prefix_key(tokens, proxy.prefix_tokens)
+    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill,
+                                       proxy.decode)
+    try:
+        if reason is None:
+            try:
+                params, error, via = await _prefill(proxy, path, body, request_id, key)
+            except BackendDown as e:
+                if proxy.disagg.max_prefill_queue is None:  # no overflow to the decodes
+                    raise
+                rlog.warning("%s", e)
+                reason = "prefill_down"
+        if reason is not None:  # a plain request: the decode prefills it, as a monolith
+            proxy.metrics.routes.labels("local", reason).inc()
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            return await _decode(proxy, path, body, request_id, stream, key,
+                                 f"local prefill ({reason})", local=True)
+        proxy.metrics.routes.labels("remote", "disaggregated").inc()
+        if error is not None:
+            rlog.info("prefill %s answered %d", via, error.status_code)
+            return error
+        decode_body = {**body, "kv_transfer_params": params}
+        return await _decode(proxy, path, decode_body, request_id, stream, key,
+                             f"prefill {via}")
+    except BackendDown as e:
+        rlog.warning("%s", e)
+        return error_response(503, str(e), "service_unavailable")
+
+
+def _fans_out(body: dict) -> bool:
+    n = body.get("n")
+    return type(n) is int and 1 < n <= MAX_N  # anything else is the backends' to judge
+
+
+async def _fan_out(proxy: Proxy, path: str, body: dict, request_id: str,
+                   stream: bool) -> Response:
+    """n > 1 choices as n prefill -> decode exchanges of one choice each (a prefill hands
+    over one request's KV), merged into one answer with the choices re-indexed."""
+    answers = await asyncio.gather(*(
+        _exchange(proxy, path, choice_body(body, i), request_id, stream)
+        for i in range(body["n"])))
+    if (bad := next((a for a in answers if a.status_code != 200), None)) is not None:
+        for a in answers:
+            if isinstance(a, StreamingResponse):
+                await a.body_iterator.aclose()
+        return bad
+    headers = {"X-Request-Id": request_id}
+    if stream:
+        return StreamingResponse(merged_events(answers), media_type="text/event-stream",
+                                 headers=headers)
+    parts = [json.loads(a.body) for a in answers]
+    choices = [{**c, "index": i} for i, part in enumerate(parts) for c in part["choices"]]
+    return JSONResponse({**parts[0], "choices": choices,
+                         "usage": sum_usage([part["usage"] for part in parts])},
+                        headers=headers)
+
+
+async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str, key: bytes | None
+                   ) -> tuple[dict | None, Response | None, str]:
+    """Run the prompt on a prefill; returns its kv_transfer_params or an error to relay,
+    and the prefill's URL."""
+    pbody = {**body, "max_tokens": 1, "stream": False,
+             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                    "remote_engine_id": None, "remote_block_ids": None,
+                                    "remote_host": None, "remote_port": None}}
+    pbody.pop("stream_options", None)
+    if "max_completion_tokens" in pbody:
+        pbody["max_completion_tokens"] = 1
+    sent = await proxy.post(proxy.prefill, path, pbody, request_id, stream=False, key=key)
+    sent.finish()
+    resp = sent.resp
+    if resp.status_code != 200:
+        error = Response(resp.content, resp.status_code, media_type="application/json")
+        return None, error, sent.backend.url
+    return resp.json().get("kv_transfer_params"), None, sent.backend.url
+
+
+async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: bool,
+                  key: bytes | None, via: str, local: bool = False) -> Response:
+    """Send `body` to a decode and relay its answer; `local`: a plain request, which the
+    decode prefills itself (counted in its local_prefills until its first token is back)."""
+    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=key,
+                            local=local)
+    resp = sent.resp
+    request_log(request_id).info("%s -> decode %s answered %d", via, sent.backend.url,
+                                 resp.status_code)
+    if not stream or resp.status_code != 200:
+        try:
+            content = await resp.aread()
+        finally:
+            sent.finish()
+            await resp.aclose()
+        return Response(content, resp.status_code, media_type="application/json")
+
+    async def relay():
+        try:
+            async for chunk in resp.aiter_raw():
+                sent.prefilled()
+                yield chunk
+        finally:  # also when the client goes away: closing aborts the decode's request
+            sent.finish()
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream")

@@ -1,0 +1,67 @@
+"""`pdserve proxy`'s command line: its flags, and run(), which builds the prefill and decode
+pools from them and serves the proxy's app."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import httpx
+
+from pdserve.config import ConfigError
+from pdserve.entrypoints.pd_flow import Proxy
+from pdserve.entrypoints.proxy import build_app
+from pdserve.entrypoints.routing import (
+    Backend,
+    Disaggregation,
+    Pool,
+    PromptTokens,
+    add_routing_args,
+    check_routing_args,
+)
+
+log = logging.getLogger("pdserve.proxy")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("proxy", help="route requests prefill -> decode")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    add_routing_args(p)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--backend-api-key", default=None, help="default: --api-key")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `pdserve` command imports this module for its parser,
+    # and only this one serves (or needs the loader, which imports torch).
+    import uvicorn
+
+    from pdserve.model.loader import ModelLoadError
+
+    if problem := check_routing_args(args):
+        raise ConfigError(problem)
+
+    def pool(name: str, urls: list[str]) -> Pool:
+        return Pool(name, [Backend(u.rstrip("/")) for u in urls], args.policy,
+                    args.prefix_max_imbalance)
+
+    try:  # token counts only where routing needs them: the tokenizer costs a torch import
+        counted = args.policy == "prefix" or args.local_prefill_below is not None
+        prompt_tokens = PromptTokens(args.tokenizer) if counted else None
+    except ModelLoadError as e:
+        raise ConfigError(f"cannot load the tokenizer: {e}") from None
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+    proxy = Proxy(pool("prefill", args.prefill), pool("decode", args.decode), client,
+                  args.api_key, args.backend_api_key or args.api_key,
+                  Disaggregation(args.local_prefill_below, args.max_prefill_queue),
+                  prompt_tokens, args.prefix_tokens)
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), args.policy, proxy.disagg)
+    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
+    return 0

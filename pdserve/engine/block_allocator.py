@@ -49,13 +49,6 @@ class BlockAllocator:
             self._refs[i] = 1
         return ids
 
-    def share(self, ids: list[int]) -> None:
-        """Take another reference on blocks already in use."""
-        for i in ids:
-            if self._refs[i] == 0:
-                raise ValueError(f"block {i} is free; cannot share it")
-            self._refs[i] += 1
-
     def free(self, ids: list[int]) -> None:
         for i in ids:
             if self._refs[i] == 0:

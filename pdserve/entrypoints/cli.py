@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
+from pdserve.bench import cli as bench
 from pdserve.config import ConfigError
+from pdserve.entrypoints import proxy_cli, serve, up
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from pdserve.bench import cli as bench
-    from pdserve.entrypoints import proxy_cli, serve, up
     serve.add_parser(sub)
     proxy_cli.add_parser(sub)
     up.add_parser(sub)

@@ -19,6 +19,7 @@ import httpx
 
 from pdserve.engine import core_loan
 from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
+from pdserve.entrypoints.serve import add_engine_args, add_server_args
 
 log = logging.getLogger("pdserve.up")
 UP_MAX_PREFILL_QUEUE = 2  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
@@ -37,8 +38,6 @@ class Instance:
 
 
 def add_parser(sub) -> None:
-    from pdserve.entrypoints.serve import add_engine_args, add_server_args
-
     p = sub.add_parser("up", help="start prefill + decode + proxy on this host",
                        description="Start N prefill and M decode instances of `pdserve serve` "
                        "and a proxy in front; Ctrl-C stops them all.")

@@ -35,21 +35,20 @@ def test_free_returns_blocks_for_reuse():
 def test_shared_block_is_free_only_after_last_reference():
     pool = BlockAllocator(2)
     ids = pool.allocate(2)
-    pool.share(ids[:1])
+    pool.cache(ids[0], b"first block")
+    assert pool.lookup([b"first block"]) == ids[:1]  # a second request shares it
     pool.free(ids)
     assert pool.num_free == 1  # ids[0] still has its second reference
     pool.free(ids[:1])
     assert pool.num_free == 2
 
 
-def test_double_free_and_sharing_a_free_block_are_refused():
+def test_double_free_is_refused():
     pool = BlockAllocator(2)
     ids = pool.allocate(1)
     pool.free(ids)
     with pytest.raises(ValueError, match="freed twice"):
         pool.free(ids)
-    with pytest.raises(ValueError, match="is free"):
-        pool.share(ids)
     assert pool.num_free == 2
 
 

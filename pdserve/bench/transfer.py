@@ -7,6 +7,12 @@ in-process memcpy of the same bytes, measured in the same run.
 
     python -m pdserve.bench.transfer --tokens 1024 --iters 20
     python -m pdserve.bench.transfer --sweep
+    python -m pdserve.bench.transfer --decode-layout HND --decode-block-size 64   # converted
+
+With --decode-layout or --decode-block-size unlike the prefill's (NHD, --block-size), the
+decode pulls as pdserve does between unlike instances (read_plan: descriptors into its own
+blocks, then a permutation when the layouts differ), times each part and checks every byte
+against the conversion done by torch.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
+import torch
 
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Region, Xfer
+from pdserve.kv_transfer.read_plan import Blocks, Geometry, Slice, permute_received, read_descs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SWEEP_TOKENS = (256, 1024, 4096, 8192)
@@ -42,6 +50,7 @@ class Setup:
     progress_delay_us: int = 1000
     target_poll_ms: float = 1.0  # how often the prefill loop drains notifications
     step_ms: float = 0.0  # CPU work between NIXL calls in both loops, like an engine step
+    random_fill: bool = False  # the prefill's pool (for conversion checks)
 
     @property
     def block_bytes(self) -> int:
@@ -72,13 +81,20 @@ def _pool(setup: Setup, fill: int) -> np.ndarray:
     return pool
 
 
+def _random_pool(setup: Setup) -> np.ndarray:
+    """The prefill's pool for conversions (a block's bytes all alike would hide a wrong
+    permutation); the decode rebuilds it to check what it received."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (setup.num_blocks, setup.block_bytes), dtype=np.uint8)
+
+
 def _region(pool: np.ndarray) -> Region:
     return Region(pool.ctypes.data, pool.shape[0], pool.shape[1])
 
 
 def _prefill(conn: Connection, setup: Setup) -> None:
     """Child: owns the source pool and answers commands; its loop is the target's progress."""
-    pool = _pool(setup, fill=1)
+    pool = _random_pool(setup) if setup.random_fill else _pool(setup, fill=1)
     agent = NixlAgent("prefill", progress=setup.prefill_progress or setup.progress,
                       progress_delay_us=setup.progress_delay_us)
     agent.register(_region(pool))
@@ -183,6 +199,62 @@ def _run_case(agent: NixlAgent, conn: Connection, pool: np.ndarray, local: Regio
                   idle_decode, idle_prefill)
 
 
+def _as_kv(pool: np.ndarray, setup: Setup, layout: str, block_size: int) -> torch.Tensor:
+    """A uint8 pool as [blocks, layers, 2, inner, head_dim * itemsize] bytes."""
+    h = setup.num_kv_heads
+    inner = (block_size, h) if layout == "NHD" else (h, block_size)
+    return torch.from_numpy(pool).view(pool.shape[0], setup.num_layers, 2, *inner, -1)
+
+
+def _converted(remote: torch.Tensor, rids: np.ndarray, lb: Blocks, tokens: int) -> torch.Tensor:
+    """What the decode's blocks must hold: the prompt's tokens, re-blocked in its layout."""
+    src = remote[rids]  # NHD prefill blocks: [n, L, 2, b, H, row]
+    n, layers, two, b, h, row = src.shape
+    seq = src.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * b, h, row)[:, :, :tokens]
+    m = -(-tokens // lb.block_size)
+    pad = torch.zeros(layers, two, m * lb.block_size - tokens, h, row, dtype=src.dtype)
+    blocks = torch.cat([seq, pad], 2).view(layers, two, m, lb.block_size, h, row)
+    blocks = blocks.permute(2, 0, 1, 3, 4, 5)
+    return blocks.transpose(3, 4) if lb.layout == "HND" else blocks
+
+
+def _run_convert(agent: NixlAgent, peer: str, remote: Region, setup: Setup, tokens: int,
+                 lb: Blocks, iters: int) -> dict:
+    """Pull a prompt into decode blocks of another layout or size; the median time of
+    planning the descriptors, the READ and the permutation, and the bytes checked."""
+    rb = Blocks("NHD", setup.num_kv_heads, setup.block_size)
+    geo = Geometry(setup.num_layers, setup.head_dim, DTYPE_BYTES[setup.dtype])
+    k = lb.block_size // rb.block_size
+    rids = np.arange(-(-tokens // rb.block_size))
+    lids = list(range(-(-rids.size // k)))
+    pool = np.zeros((len(lids), setup.block_bytes * k), dtype=np.uint8)
+    local = _region(pool)
+    agent.register(local)
+    kv = _as_kv(pool, setup, lb.layout, lb.block_size)
+    whole = Slice(0, 0, 0, setup.num_kv_heads)
+    plans, pulls, perms = [], [], []
+    for i in range(iters + 2):
+        pool[:] = 0
+        t0 = time.perf_counter()
+        ld, rd = read_descs(local, remote, lids, rids.tolist(), whole, geo, lb, rb)
+        t1 = time.perf_counter()
+        agent.wait(agent.read_descs(ld, rd, "DRAM", "DRAM", peer, f"conv-{i}".encode()))
+        t2 = time.perf_counter()
+        if lb.layout != rb.layout:
+            permute_received(kv, lids, lb, rb)
+        t3 = time.perf_counter()
+        plans.append(t1 - t0), pulls.append(t2 - t1), perms.append(t3 - t2)
+    want = _converted(_as_kv(_random_pool(setup), setup, "NHD", rb.block_size), rids, lb,
+                      tokens)
+    if not torch.equal(kv, want):
+        raise SystemExit("data check failed: the converted blocks differ from torch's")
+    med = {name: statistics.median(v[2:]) * 1e3 for name, v in
+           (("plan_ms", plans), ("pull_ms", pulls), ("permute_ms", perms))}
+    return {"tokens": tokens, "decode_layout": lb.layout, "decode_block_size": lb.block_size,
+            "descs": len(ld), "mbytes": round(pool.nbytes / 1e6, 1),
+            **{k: round(v, 3) for k, v in med.items()}}
+
+
 def _print(r: Result) -> None:
     print(f"tokens={r.tokens:<6} frag={int(r.fragmented)} merge={int(r.merge)} "
           f"descs={r.descs:<5} {r.mbytes:7.1f} MB  pull {r.pull_ms:7.2f} ms "
@@ -210,6 +282,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="CPU work per loop turn in both processes (emulates engine steps)")
     p.add_argument("--json", action="store_true", help="also print one JSON line per case")
+    p.add_argument("--decode-layout", choices=("NHD", "HND"), default="NHD",
+                   help="the decode's KV layout (the prefill's is NHD)")
+    p.add_argument("--decode-block-size", type=int, default=None,
+                   help="the decode's block size (default: --block-size)")
     return p.parse_args(argv)
 
 
@@ -218,10 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = ([(t, f) for f in (False, True) for t in SWEEP_TOKENS] if args.sweep
              else [(args.tokens, args.fragmented)])
     max_blocks = max(-(-t // args.block_size) * (2 if f else 1) for t, f in cases)
+    decode = Blocks(args.decode_layout, Setup.num_kv_heads,
+                    args.decode_block_size or args.block_size)
+    convert = (decode.layout, decode.block_size) != ("NHD", args.block_size)
     setup = Setup(block_size=args.block_size, dtype=args.dtype, num_blocks=max_blocks,
                   progress=args.progress, prefill_progress=args.prefill_progress,
                   progress_delay_us=args.progress_delay_us,
-                  target_poll_ms=args.target_poll_ms, step_ms=args.step_ms)
+                  target_poll_ms=args.target_poll_ms, step_ms=args.step_ms,
+                  random_fill=convert)
     print(f"block {setup.block_bytes} B, pool {max_blocks} blocks, progress={setup.progress}, "
           f"step={setup.step_ms} ms, UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}", flush=True)
     ctx = mp.get_context("spawn")
@@ -238,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         peer = agent.add_remote(md)
         conn.send(agent.metadata())
         for tokens, frag in cases:
+            if convert:
+                r = _run_convert(agent, peer, Region(**remote), setup, tokens, decode,
+                                 args.iters)
+                print(json.dumps(r), flush=True)
+                continue
             r = _run_case(agent, conn, pool, local, Region(**remote), peer, tokens, frag,
                           not args.no_merge, setup, args.iters)
             _print(r)

@@ -22,7 +22,8 @@ from pdserve.engine.tensor_parallel import (
     new_store,
     spawn_workers,
 )
-from pdserve.kv_transfer.factory import make_connector, needs_staging
+from pdserve.kv_transfer.factory import make_connector
+from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import ConnectorContext
 from pdserve.kv_transfer.tp_transport import WorkerKV
 from pdserve.model import loader
@@ -63,12 +64,12 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
         config.kv_cache_memory_gib * 2**30 // shape.block_bytes(dtype))
     engine_id = engine_id or (kv.engine_id if kv else "local")
     if kv is not None:
-        needs_staging(kv, platform, tp)  # refuse what cannot work before any rank starts
+        HostBuffer.needed(kv, platform)  # refuse what cannot work before any rank starts
     if tp > 1:  # the workers load their shards while this rank loads its own
         store = new_store()
         workers = spawn_workers([
             WorkerSpec(r, tp, config, num_blocks, dp_rank * tp + r, store.port,
-                       _worker_kv(kv, engine_id, side_channel, tp, r))
+                       _worker_kv(kv, engine_id, side_channel, tp, r, platform.name))
             for r in range(1, tp)])
     model = load_model(config, folder, local, dtype, device)
     group = TPGroup.join(workers, store, platform, device) if tp > 1 else None
@@ -84,10 +85,10 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
 
 
 def _worker_kv(kv: KVTransferConfig | None, engine_id: str, side_channel: tuple[str, int],
-               tp_size: int, tp_rank: int) -> functools.partial | None:
+               tp_size: int, tp_rank: int, device: str) -> functools.partial | None:
     """What builds TP worker `tp_rank`'s KV transfer (it answers at port + tp_rank)."""
     if kv is None:
         return None
     host, port = side_channel
     return functools.partial(WorkerKV.build, kv, engine_id, (host, port + tp_rank), tp_size,
-                             tp_rank)
+                             tp_rank, device)

@@ -57,7 +57,8 @@ class ServerState:
     served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
     admission: Admission = field(default_factory=Admission)
     request_timeout: float | None = None  # seconds; a request's own may be shorter
-    # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking).
+    # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking; it
+    # contacts only hosts the params validator allows).
     release_remote: Callable[[KVParams], None] | None = None
 
     @property
@@ -154,16 +155,7 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
         raise HTTPError(400, f"This model's maximum context length is {state.max_model_len} "
                              f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in "
                              f"the prompt, {max_tokens} to generate).")
-    given = {k: v for k, v in (body.kv_transfer_params or {}).items() if v is not None}
-    try:
-        params = KVParams.from_dict(given) if given else None
-        if params is not None and state.validate_kv_params is not None:
-            state.validate_kv_params(params, len(ids))
-    except ValueError as e:
-        raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
-    if params and body.n > 1:  # a prefill answers one set of params per request
-        raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
-                             "requests (pdserve's proxy does)")
+    params = _kv_params(state, body, len(ids))
     if (given := raw.headers.get("x-request-id")) is not None and \
             not valid_request_id(given):
         raise HTTPError(400, "X-Request-Id must be 1 to 256 printable ASCII characters")
@@ -173,6 +165,33 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
     return [EngineRequest(f"{request_id(raw)}-{uuid.uuid4().hex[:8]}", ids,
                           body.sampling_params(max_tokens, i), params)
             for i in range(body.n)]
+
+
+def _kv_params(state: ServerState, body: _Body, prompt_len: int) -> KVParams | None:
+    given = {k: v for k, v in (body.kv_transfer_params or {}).items() if v is not None}
+    try:
+        params = KVParams.from_dict(given) if given else None
+    except ValueError as e:
+        raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
+    try:
+        if params is not None and state.validate_kv_params is not None:
+            state.validate_kv_params(params, prompt_len)
+    except ValueError as e:
+        _release(state, params)
+        raise HTTPError(400, f"invalid kv_transfer_params: {e}") from None
+    if params and body.n > 1:  # a prefill answers one set of params per request
+        _release(state, params)
+        raise HTTPError(400, "n > 1 cannot be combined with kv_transfer_params; send n "
+                             "requests (pdserve's proxy does)")
+    return params
+
+
+def _release(state: ServerState, p: KVParams | None) -> None:
+    """Let a remote prefill free the blocks of a request refused here: its engine never
+    sees it, so nothing else would before the lease ends (under overload, when its blocks
+    are needed most)."""
+    if p is not None and p.do_remote_prefill and state.release_remote is not None:
+        asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
 
 
 def request_id(raw: Request) -> str:
@@ -188,11 +207,7 @@ async def _respond(state: ServerState, reqs: list[EngineRequest], body: _Body, r
     ticket = state.admission.admit()
     if not isinstance(ticket, Ticket):
         log.warning("request %s: refused with %d: %s", reqs[0].request_id, *ticket)
-        p = reqs[0].kv_transfer_params
-        if p is not None and p.do_remote_prefill and state.release_remote is not None:
-            # Its engine never sees it, so nothing else would let the prefill go before
-            # the lease ends (under overload, when its blocks are needed most).
-            asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
+        _release(state, reqs[0].kv_transfer_params)
         raise HTTPError(*ticket, "rate_limit_exceeded" if ticket[0] == 429 else
                         "service_unavailable")
     for req in reqs:

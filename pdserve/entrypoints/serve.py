@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state.admission = Admission(cfg.max_num_seqs * args.data_parallel_size, args.max_queue)
     state.request_timeout = args.request_timeout
-    state.release_remote = _remote_releaser(kv)
+    state.release_remote = _remote_releaser(kv, state.validate_kv_params)
     log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), cfg.dtype,
              state.engine.describe(), args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remote_releaser(kv: KVTransferConfig | None):
-    """For a decode: tells a prefill to free the blocks of a request refused at admission."""
+def _remote_releaser(kv: KVTransferConfig | None, validate):
+    """For a decode: tells a prefill to free the blocks of a request refused here."""
     if kv is None or not kv.is_consumer:
         return None
     from pdserve.kv_transfer import side_channel
@@ -144,7 +144,9 @@ def _remote_releaser(kv: KVTransferConfig | None):
     x = kv.kv_connector_extra_config
 
     def release(p: KVParams) -> None:
-        if p.complete and p.remote_request_id is not None:
+        # Refused params may point anywhere: only where a pull could have gone.
+        if p.complete and p.remote_request_id is not None and \
+                validate.host_allowed(p.remote_host):
             side_channel.release_quietly(p.remote_host, p.remote_port, p.remote_request_id,
                                          x.handshake_timeout, x.side_channel_secret)
     return release

@@ -10,7 +10,6 @@ from typing import Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import Consumer
-from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import (
     ConnectorContext,
     KVConnector,
@@ -29,11 +28,11 @@ LOG_EVERY_S = 10
 
 class PDConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
-                 metrics: TransferMetrics, staging: HostBuffer | None = None) -> None:
+                 metrics: TransferMetrics) -> None:
         self.config, self.ctx, self.transport, self.metrics = config, ctx, transport, metrics
         self.producer = Producer(ctx, transport, metrics,
-                                 config.kv_connector_extra_config.kv_lease_duration, staging)
-        self.consumer = Consumer(config, ctx, transport, metrics, staging)
+                                 config.kv_connector_extra_config.kv_lease_duration)
+        self.consumer = Consumer(config, ctx, transport, metrics)
         self._last_log = 0.0
         self._last_pulls = 0
 

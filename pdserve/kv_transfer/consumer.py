@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import ConnectorContext, KVConnectorOutput, Load, RemotePrefill
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.params import KVParams
@@ -36,8 +35,10 @@ class Pull:
     engine_id: str
     remote_ids: list[int]
     remote_request_id: str  # the prefill's id for it
-    local_ids: list[int] | None = None  # blocks to pull into, once the engine gave them
-    skip: int = 0  # leading blocks the local prefix cache already held
+    num_tokens: int  # of the prompt
+    block_ids: list[int] | None = None  # the request's blocks, once the engine gave them
+    cached_tokens: int = 0  # leading tokens the local prefix cache already held
+    local_ids: list[int] = field(default_factory=list)  # the blocks being pulled into
     peer: Peer | None = None
     handle: Any = None
     started: float = 0.0
@@ -56,11 +57,10 @@ class Pull:
 
 class Consumer:
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
-                 metrics: TransferMetrics, staging: HostBuffer | None) -> None:
+                 metrics: TransferMetrics) -> None:
         self.x = config.kv_connector_extra_config
         self.fail_by_policy = config.kv_load_failure_policy == "fail"
         self.ctx, self.transport, self.metrics = ctx, transport, metrics
-        self.staging = staging  # host buffer NIXL writes into, when the KV lives elsewhere
         self.pulls: dict[str, Pull] = {}
         self.peers: dict[tuple[str, int], Peer] = {}
         self.connecting: dict[tuple[str, int], Future] = {}
@@ -69,7 +69,8 @@ class Consumer:
     def on_new_request(self, request_id: str, p: KVParams,
                        num_prompt_tokens: int) -> RemotePrefill:
         pull = Pull(request_id, p.remote_host, p.remote_port, p.remote_engine_id,
-                    list(p.remote_block_ids), p.remote_request_id or request_id)
+                    list(p.remote_block_ids), p.remote_request_id or request_id,
+                    num_prompt_tokens)
         self.pulls[request_id] = pull
         self._connect(pull)  # early, so the handshake overlaps the wait for blocks
         load = num_prompt_tokens >= max(self.x.min_transfer_tokens, 1)
@@ -87,8 +88,7 @@ class Consumer:
             if (pull := self.pulls.get(load.request_id)) is None:  # given up meanwhile
                 out.recompute.append(load.request_id)
                 continue
-            pull.skip = min(load.num_cached_tokens // self.ctx.block_size, len(pull.remote_ids))
-            pull.local_ids = load.block_ids[:len(pull.remote_ids)]
+            pull.block_ids, pull.cached_tokens = load.block_ids, load.num_cached_tokens
             if pull.peer is not None:
                 started.append(pull)
         for pull in started:
@@ -163,16 +163,26 @@ class Consumer:
                                      f"{key[0]}:{key[1]} is engine {peer.engine_id!r}", out)
                     continue
                 pull.peer = peer
-                if pull.local_ids is not None and not pull.abandoned:  # blocks are waiting
+                if pull.block_ids is not None and not pull.abandoned:  # blocks are waiting
                     self._start_read(pull, out)
 
     def _pulls_from(self, key: tuple[str, int]) -> list[Pull]:
         return [p for p in self.pulls.values() if p.key == key]
 
     def _start_read(self, pull: Pull, out: KVConnectorOutput) -> None:
-        # Blocks the local prefix cache already held are not pulled again.
-        self.metrics.bytes_saved.inc(pull.skip * self.ctx.block_bytes)
-        if pull.skip == len(pull.remote_ids):  # all of it: only tell the prefill to let go
+        # A local block takes k of the prefill's. Those the local prefix cache already held
+        # are not pulled again.
+        b = pull.peer.block_size
+        if len(pull.remote_ids) != -(-pull.num_tokens // b):
+            self._fail(pull, f"remote_block_ids has {len(pull.remote_ids)} blocks, but the "
+                             f"prefill's blocks of {b} tokens hold {pull.num_tokens} in "
+                             f"{-(-pull.num_tokens // b)}", out)
+            return
+        k = self.ctx.block_size // b
+        needed = -(-len(pull.remote_ids) // k)
+        skip = min(pull.cached_tokens // self.ctx.block_size, needed)
+        self.metrics.bytes_saved.inc(skip * self.ctx.block_bytes)
+        if skip == needed:  # all of it: only tell the prefill to let go
             self.transport.notify(pull.peer, pull.message(DONE))
             del self.pulls[pull.request_id]
             out.loaded.append(pull.request_id)
@@ -181,9 +191,10 @@ class Consumer:
             log.warning("request %s: fault injection: holding its KV READ for %gs",
                         pull.request_id, FAULT_TRANSFER_DELAY_S)
             time.sleep(FAULT_TRANSFER_DELAY_S)
+        pull.local_ids = pull.block_ids[skip:needed]
         try:
-            pull.handle = self.transport.read(pull.peer, pull.local_ids[pull.skip:],
-                                              pull.remote_ids[pull.skip:], pull.message(DONE))
+            pull.handle = self.transport.read(pull.peer, pull.local_ids,
+                                              pull.remote_ids[skip * k:], pull.message(DONE))
         except (ValueError, RuntimeError) as e:
             pull.handle = None
             self._fail(pull, f"KV read from {pull.host}:{pull.port} refused: {e}", out)
@@ -205,8 +216,6 @@ class Consumer:
         if pull.abandoned:  # the request ended while its blocks were being written
             out.free_blocks += pull.held
             return
-        if self.staging is not None:
-            self.staging.load(pull.local_ids[pull.skip:])
         out.loaded.append(pull.request_id)
 
     def _fail(self, pull: Pull, why: str, out: KVConnectorOutput, force: bool = False) -> None:

@@ -35,6 +35,9 @@ class TransferMetrics:
         self.reader_notifications = labelled(
             Gauge, "pdserve_kv_reader_notifications",
             "Read-done notifications received from decode ranks (one per reader per request)")
+        self.converted = labelled(
+            Gauge, "pdserve_kv_converted_pulls",
+            "KV pulls from a prefill of another KV layout or block size, converted here")
         self.recomputed = labelled(Counter, "pdserve_kv_transfer_recomputed",
                                    "Requests whose prompt was recomputed instead of pulled")
 

@@ -1,6 +1,7 @@
 """The NIXL transport of one engine rank: registers its KV cache (its TP shard) with a NIXL
 agent (UCX), answers handshakes on the side channel, and pulls remote blocks with
-one-sided READs from the prefill ranks holding the heads it needs (tp_plan)."""
+one-sided READs from the prefill ranks holding the heads it needs, in whatever layout and
+block size they have (read_plan)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,39 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Region, TransferError, Xfer
-from pdserve.kv_transfer.side_channel import SideChannelServer, handshake
-from pdserve.kv_transfer.tp_plan import (
-    BlockGeometry,
+from pdserve.kv_transfer.read_plan import (
+    Blocks,
+    Geometry,
     ReaderCount,
     Slice,
+    check_block_sizes,
+    check_layouts,
     check_split,
     num_readers,
+    permute_received,
     plan,
-    slice_descs,
+    read_descs,
     tag,
 )
+from pdserve.kv_transfer.side_channel import SideChannelServer, handshake
 from pdserve.kv_transfer.transport import DONE, IncompatibleKV, Peer, Transport, XferState
 from pdserve.model.kv_cache import KVCache
+from pdserve.platforms.base import Platform
 
 PROTOCOL_VERSION = 1
-# What both sides' blocks must agree on for a byte-for-byte read.
-_COMPAT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "layout", "dtype",
-                "block_bytes")
+# What both instances must agree on (TP sizes, layouts and block sizes may differ).
+_COMPAT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "protocol")
+
+
+@dataclass(slots=True)
+class Received:
+    """A pull in flight: one READ per source rank, and the blocks they fill."""
+    xfers: list[Xfer]
+    local_ids: list[int]
+    permute: Blocks | None  # the remote blocks' shape, if theirs is not ours
+    state: XferState = "PROC"
 
 
 @dataclass(slots=True)
@@ -45,13 +60,19 @@ class Source:
 class NixlTransport(Transport):
     def __init__(self, engine_id: str, buffer: torch.Tensor, layout: dict[str, Any],
                  host: str, port: int, handshake_timeout: float,
-                 secret: str | None = None, serve: bool = True) -> None:
+                 secret: str | None = None, serve: bool = True,
+                 staging: HostBuffer | None = None) -> None:
+        """`buffer`: what NIXL reads and writes, the KV cache or `staging`'s host mirror."""
         self.engine_id = engine_id
+        self.staging = staging
         self.layout = {"tp_rank": 0, "tp_size": 1, **layout, "protocol": PROTOCOL_VERSION}
         self.tp_rank, self.tp_size = self.layout["tp_rank"], self.layout["tp_size"]
+        self.buffer = buffer
         self.region = Region.from_tensor(buffer, buffer.shape[0])
-        self.geometry = BlockGeometry(layout["num_layers"], layout["block_size"],
-                                      layout["head_dim"], buffer.element_size())
+        self.geometry = Geometry(layout["num_layers"], layout["head_dim"],
+                                 buffer.element_size())
+        self.blocks = _blocks(self.layout)
+        self.converted = 0  # pulls from blocks of another layout or block size
         self.readers = ReaderCount()
         self.agent = NixlAgent(f"{engine_id}-tp{self.tp_rank}-{id(self):x}",
                                gpu=self.region.mem_type == "VRAM")
@@ -64,17 +85,19 @@ class NixlTransport(Transport):
 
     @classmethod
     def for_cache(cls, config: KVTransferConfig, engine_id: str, cache: KVCache,
-                  buffer: torch.Tensor, side_channel: tuple[str, int], tp_size: int = 1,
+                  platform: Platform, side_channel: tuple[str, int], tp_size: int = 1,
                   tp_rank: int = 0) -> NixlTransport:
-        """One rank's transport over `buffer`: its KV shard, or a host mirror of it."""
+        """One rank's transport over its KV shard, or over a host mirror of it."""
+        staging = HostBuffer.mirror(platform, cache.tensor) \
+            if HostBuffer.needed(config, platform) else None
         s = cache.shape
         layout = {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads,
                   "head_dim": s.head_dim, "block_size": s.block_size, "layout": s.layout,
                   "dtype": str(cache.tensor.dtype).removeprefix("torch."),
                   "block_bytes": cache.block_bytes, "tp_size": tp_size, "tp_rank": tp_rank}
         x = config.kv_connector_extra_config
-        return cls(engine_id, buffer, layout, *side_channel, x.handshake_timeout,
-                   x.side_channel_secret, serve=config.is_producer)
+        return cls(engine_id, staging.host if staging else cache.tensor, layout, *side_channel,
+                   x.handshake_timeout, x.side_channel_secret, config.is_producer, staging)
 
     def info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "tp_rank": self.tp_rank,
@@ -98,7 +121,7 @@ class NixlTransport(Transport):
     def connect_ranks(self, host: str, port: int, remote_tp: int,
                       first: dict[str, Any] | None = None) -> Peer:
         heads = self.layout["num_kv_heads"] * self.tp_size
-        check_split(heads, remote_tp, self.tp_size, self.layout["layout"])
+        check_split(heads, remote_tp, self.tp_size)
         sources: list[Source] = []
         infos = []
         try:
@@ -114,9 +137,11 @@ class NixlTransport(Transport):
             for src in sources:
                 self.agent.remove_remote(src.agent)
             raise
+        remote = _blocks(infos[0]["layout"])
         return Peer(host, port, infos[0]["engine_id"], sources[0].agent, infos[0]["num_blocks"],
-                    {"sources": sources, "remote_tp": remote_tp,
-                     "readers": num_readers(heads, remote_tp, self.tp_size)})
+                    remote.block_size, {"sources": sources, "remote_tp": remote_tp,
+                                        "blocks": remote,
+                                        "readers": num_readers(heads, remote_tp, self.tp_size)})
 
     def _check_rank(self, remote: dict[str, Any], rank: int, tp: int, host: str,
                     port: int) -> None:
@@ -131,18 +156,26 @@ class NixlTransport(Transport):
             self.agent.remove_remote(src.agent)
 
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes) -> list[Xfer]:
+             notif: bytes) -> Received:
+        """`local_ids`: blocks of this rank's size, each taking the next k remote blocks."""
+        remote: Blocks = peer.info["blocks"]
         notif = tag(notif, peer.info["readers"])
-        return [self._read_source(src, peer.info["remote_tp"], local_ids, remote_ids, notif)
-                for src in peer.info["sources"]]
+        xfers = [self._read_source(src, remote, local_ids, remote_ids, notif)
+                 for src in peer.info["sources"]]
+        self.converted += (remote.layout, remote.block_size) != (self.blocks.layout,
+                                                                 self.blocks.block_size)
+        return Received(xfers, local_ids, remote if remote.layout != self.blocks.layout
+                        else None)
 
-    def _read_source(self, src: Source, remote_tp: int, local_ids: list[int],
+    def _read_source(self, src: Source, remote: Blocks, local_ids: list[int],
                      remote_ids: list[int], notif: bytes) -> Xfer:
-        local_heads = self.layout["num_kv_heads"]
-        remote_heads = local_heads * self.tp_size // remote_tp
-        if src.slice.num_heads == local_heads == remote_heads:  # same split: whole blocks
+        if src.slice.num_heads == self.blocks.heads and remote == self.blocks:  # alike
             return self.agent.read(self.region, src.region, local_ids, remote_ids, src.agent,
                                    notif)
+        k = self.blocks.block_size // remote.block_size
+        if -(-len(remote_ids) // k) != len(local_ids):
+            raise ValueError(f"{len(remote_ids)} prefill blocks do not fill {len(local_ids)} "
+                             f"decode blocks of {k}")
         for region, ids, side in ((self.region, local_ids, "local"),
                                   (src.region, remote_ids, "remote")):
             if ids and not (min(ids) >= 0 and max(ids) < region.num_blocks):
@@ -150,17 +183,31 @@ class NixlTransport(Transport):
         if not local_ids:
             self.agent.notify(src.agent, notif)
             return Xfer(None, 0, 0, state="DONE")
-        ldescs, rdescs = slice_descs(self.region, src.region, local_ids, remote_ids, src.slice,
-                                     self.geometry, local_heads, remote_heads)
+        ldescs, rdescs = read_descs(self.region, src.region, local_ids, remote_ids, src.slice,
+                                    self.geometry, self.blocks, remote)
         return self.agent.read_descs(ldescs, rdescs, self.region.mem_type,
                                      src.region.mem_type, src.agent, notif)
 
-    def poll(self, handle: list[Xfer]) -> XferState:
-        states = {self.agent.poll(x) for x in handle}
-        return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
+    def poll(self, handle: Received) -> XferState:
+        if handle.state != "PROC":
+            return handle.state
+        states = {self.agent.poll(x) for x in handle.xfers}
+        if "ERR" in states or "PROC" not in states:
+            handle.state = "ERR" if "ERR" in states else "DONE"
+            if handle.state == "DONE":  # every source landed
+                if handle.permute is not None:
+                    permute_received(self.buffer, handle.local_ids, self.blocks,
+                                     handle.permute)
+                if self.staging is not None:
+                    self.staging.load(handle.local_ids)
+        return handle.state
 
-    def handle_stats(self, handle: list[Xfer]) -> tuple[int, int]:
-        return sum(x.nbytes for x in handle), sum(x.descs for x in handle)
+    def handle_stats(self, handle: Received) -> tuple[int, int]:
+        return sum(x.nbytes for x in handle.xfers), sum(x.descs for x in handle.xfers)
+
+    def stage_out(self, block_ids: list[int]) -> None:
+        if self.staging is not None:
+            self.staging.save(block_ids)
 
     def notify(self, peer: Peer, msg: bytes) -> None:
         with suppress(TransferError):  # the peer is gone; its lease no longer matters
@@ -189,8 +236,12 @@ class NixlTransport(Transport):
 
 
 def compat_hash(layout: dict[str, Any]) -> str:
-    text = ";".join(f"{k}={layout.get(k)}" for k in (*_COMPAT_KEYS, "protocol"))
+    text = ";".join(f"{k}={layout.get(k)}" for k in _COMPAT_KEYS)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _blocks(layout: dict[str, Any]) -> Blocks:
+    return Blocks(layout.get("layout"), layout.get("num_kv_heads"), layout.get("block_size"))
 
 
 def _whole(layout: dict[str, Any]) -> dict[str, Any]:
@@ -198,17 +249,22 @@ def _whole(layout: dict[str, Any]) -> dict[str, Any]:
     tp = layout.get("tp_size", 1)
     if not isinstance(tp, int) or tp == 1:
         return layout
-    return {**layout, "num_kv_heads": layout.get("num_kv_heads", 0) * tp,
-            "block_bytes": layout.get("block_bytes", 0) * tp}
+    return {**layout, "num_kv_heads": layout.get("num_kv_heads", 0) * tp}
 
 
 def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> None:
-    """Refuse a peer whose blocks differ from ours, naming every difference."""
-    local, remote = _whole(local), _whole(remote)
-    if compat_hash(local) == compat_hash(remote):
-        return
-    diffs = [f"{k}: prefill {remote.get(k)!r}, decode {local.get(k)!r}"
-             for k in (*_COMPAT_KEYS, "protocol") if local.get(k) != remote.get(k)]
-    raise IncompatibleKV("prefill and decode KV caches are incompatible (" +
-                         "; ".join(diffs) + "); start both with the same model, --dtype, "
-                         "--block-size and --kv-layout")
+    """Refuse a prefill whose blocks cannot be read into ours, naming every difference;
+    TP sizes, layouts and block sizes that can be converted pass."""
+    whole_local, whole_remote = _whole(local), _whole(remote)
+    diffs = [f"{k}: prefill {whole_remote.get(k)!r}, decode {whole_local.get(k)!r}"
+             for k in _COMPAT_KEYS if whole_local.get(k) != whole_remote.get(k)]
+    if diffs:
+        raise IncompatibleKV("prefill and decode KV caches are incompatible (" +
+                             "; ".join(diffs) + "); start both with the same model and "
+                             "--dtype")
+    check_layouts(remote.get("tp_size", 1), local.get("tp_size", 1), remote.get("layout"),
+                  local.get("layout"))
+    rbs = remote.get("block_size")
+    if not isinstance(rbs, int) or rbs < 1:
+        raise IncompatibleKV(f"the prefill's block size {rbs!r} is not a positive integer")
+    check_block_sizes(rbs, local["block_size"])

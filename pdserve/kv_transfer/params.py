@@ -148,10 +148,19 @@ class ParamsValidator:
                              "kv_connector_extra_config.allowed_remote_hosts)")
         if not 0 < p.remote_port < 65536:
             raise ValueError("remote_port must be an integer in 1..65535")
-        need = -(-prompt_len // self.block_size)
-        if len(p.remote_block_ids) != need:
-            raise ValueError(f"remote_block_ids has {len(p.remote_block_ids)} blocks; a "
-                             f"{prompt_len}-token prompt fills {need}")
+        # A prefill's blocks may be k times smaller than ours (the handshake tells k).
+        fits = {-(-prompt_len // b) for b in range(1, self.block_size + 1)
+                if self.block_size % b == 0}
+        n, ours = len(p.remote_block_ids), -(-prompt_len // self.block_size)
+        if n < ours:
+            raise ValueError(f"remote_block_ids has {n} blocks for a {prompt_len}-token "
+                             f"prompt: the prefill's blocks are larger than this server's "
+                             f"{self.block_size} tokens, and a decode's --block-size must be "
+                             "a multiple of the prefill's")
+        if n not in fits:
+            raise ValueError(f"remote_block_ids has {n} blocks; a {prompt_len}-token prompt "
+                             f"fills {ours} blocks of {self.block_size} tokens (or of a "
+                             "divisor of it)")
         first = p.first_token_id
         if first is not None and not 0 <= first < self.vocab_size:
             raise ValueError("first_token_id must be a token id of this model")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import ConnectorContext, KVConnectorOutput
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -17,15 +16,13 @@ log = logging.getLogger("pdserve.kv_transfer")
 
 class Producer:
     def __init__(self, ctx: ConnectorContext, transport: Transport, metrics: TransferMetrics,
-                 lease_duration: float, staging: HostBuffer | None) -> None:
+                 lease_duration: float) -> None:
         self.ctx, self.transport, self.metrics = ctx, transport, metrics
-        self.staging = staging  # host buffer NIXL reads from, when the KV lives elsewhere
         self.leases = LeaseTable(lease_duration)
 
     def hold(self, request_id: str, block_ids: list[int], first: FirstToken) -> KVParams:
         """Keep a finished prompt's blocks for its decode; the params that point to them."""
-        if self.staging is not None:  # decodes read the host copy
-            self.staging.save(block_ids)
+        self.transport.stage_out(block_ids)  # before any decode can know of them
         self.leases.hold(request_id, list(block_ids))
         info = self.transport.info()
         return KVParams.for_decode(info["engine_id"], info["side_channel_host"],

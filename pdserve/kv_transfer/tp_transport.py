@@ -21,6 +21,7 @@ from pdserve.kv_transfer.nixl_transport import NixlTransport
 from pdserve.kv_transfer.side_channel import HandshakeError
 from pdserve.kv_transfer.transport import IncompatibleKV, Peer, Transport, XferState
 from pdserve.model.kv_cache import KVCache
+from pdserve.platforms import get_platform
 
 NOTIFS_EVERY = 0.01
 
@@ -44,6 +45,10 @@ class TPTransport(Transport):
     @property
     def readers(self):
         return self.local.readers
+
+    @property
+    def converted(self) -> int:
+        return self.local.converted
 
     def connect(self, host: str, port: int) -> Peer:
         peer = self.local.connect(host, port)
@@ -81,6 +86,10 @@ class TPTransport(Transport):
         nbytes, descs = self.local.handle_stats(handle.local)
         return nbytes + handle.nbytes, descs + handle.descs
 
+    def stage_out(self, block_ids: list[int]) -> None:
+        self.local.stage_out(block_ids)
+        self.group.call(("kv_stage_out", block_ids))  # done on every rank before the answer
+
     def notify(self, peer: Peer, msg: bytes) -> None:
         self.local.notify(peer, msg)  # to the prefill's rank 0, which holds the lease
 
@@ -114,10 +123,10 @@ class WorkerKV:
 
     @classmethod
     def build(cls, config: KVTransferConfig, engine_id: str, side_channel: tuple[str, int],
-              tp_size: int, tp_rank: int, cache: KVCache) -> WorkerKV:
+              tp_size: int, tp_rank: int, device: str, cache: KVCache) -> WorkerKV:
         """A worker's KV transfer over its cache shard (`side_channel`: its own port)."""
-        return cls(NixlTransport.for_cache(config, engine_id, cache, cache.tensor, side_channel,
-                                           tp_size, tp_rank))
+        return cls(NixlTransport.for_cache(config, engine_id, cache, get_platform(device),
+                                           side_channel, tp_size, tp_rank))
 
     def info(self) -> dict[str, Any]:
         return self.transport.info()
@@ -136,6 +145,9 @@ class WorkerKV:
             reply(self._poll(args[0]))
         elif kind == "kv_drop":
             self.xfers.pop(args[0], None)
+        elif kind == "kv_stage_out":
+            self.transport.stage_out(args[0])
+            reply(None)
         elif kind == "kv_notifs":
             reply(self.transport.raw_notifications())
 

@@ -30,6 +30,7 @@ class Peer:
     engine_id: str
     agent: str
     num_blocks: int
+    block_size: int  # tokens: a multiple of it fills one of our blocks
     info: dict[str, Any]  # the rest of what the handshake told us
 
 
@@ -45,7 +46,9 @@ class Transport(ABC):
     @abstractmethod
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
              notif: bytes) -> Any:
-        """Start pulling remote blocks into local ones; `notif` reaches the peer when done."""
+        """Start pulling remote blocks into local ones (each local block takes the next
+        local_block_size / peer.block_size remote ones); `notif` reaches the peer when
+        done."""
 
     @abstractmethod
     def poll(self, handle: Any) -> XferState: ...
@@ -53,6 +56,11 @@ class Transport(ABC):
     @abstractmethod
     def handle_stats(self, handle: Any) -> tuple[int, int]:
         """(bytes, descriptors) of a read."""
+
+    @abstractmethod
+    def stage_out(self, block_ids: list[int]) -> None:
+        """Make a finished prompt's blocks readable by decodes (a host mirror copies them
+        out of the device; reading the cache itself needs nothing)."""
 
     @abstractmethod
     def notify(self, peer: Peer, msg: bytes) -> None: ...

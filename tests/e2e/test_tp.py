@@ -24,6 +24,10 @@ from tests.utils import NEAR_TIE, free_port, hf_greedy, metric, start_server
 PROMPTS = [[1, 504, 3458, 282, 4649], list(range(100, 140))]  # 1 block; 3 blocks (40 tokens)
 MAX_TOKENS = 8
 KV = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+# tp2b's ranks each stage their shard through a host buffer (how CUDA with kv_buffer_device
+# cpu, and XPU, run), which CPU forces with use_host_buffer.
+STAGED = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"use_host_buffer": True}})
 SERVERS = {"tp1": 1, "tp2": 2, "tp2b": 2}
 
 
@@ -35,7 +39,8 @@ def servers(tiny_llama):
             started[name] = start_server([
                 "serve", "--model", str(tiny_llama), "--dtype", "float32",
                 "--num-kv-blocks", "64", "--kv-layout", "HND", "--tensor-parallel-size", str(tp),
-                "--kv-transfer-config", KV, "--kv-side-channel-port", str(free_port(count=tp))],
+                "--kv-transfer-config", STAGED if name == "tp2b" else KV,
+                "--kv-side-channel-port", str(free_port(count=tp))],
                 timeout=300)
         yield {name: s.url for name, s in started.items()}
     finally:
@@ -96,7 +101,8 @@ def test_kv_transfer_info_lists_every_tp_rank(servers):
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("tp2", "tp1"), ("tp1", "tp2"),
-                                                 ("tp2", "tp2b")])
+                                                 ("tp2", "tp2b"), ("tp2b", "tp2"),
+                                                 ("tp2b", "tp1")])
 def test_pd_across_tp_sizes_matches_monolithic(servers, prefill, decode):
     p, d = servers[prefill], servers[decode]
     p_tp, d_tp = SERVERS[prefill], SERVERS[decode]
@@ -125,17 +131,29 @@ def nhd_decode(tiny_llama):
     server.stop()
 
 
-def test_unequal_tp_with_nhd_is_refused_at_handshake(servers, nhd_decode):
+def test_an_hnd_tp2_prefill_feeds_an_nhd_tp1_decode(servers, nhd_decode):
     p = servers["tp2"]
-    r = httpx.post(nhd_decode + "/v1/completions", timeout=120, json={
+    for prompt in PROMPTS:
+        want = _complete(nhd_decode, prompt)  # the decode's own answer
+        computed = metric(nhd_decode, "pdserve_prompt_tokens_computed_total")
+        _, got = _pd(p, nhd_decode, prompt)
+        assert _tokens(got) == _tokens(want), prompt
+        assert metric(nhd_decode, "pdserve_prompt_tokens_computed_total") == computed
+    assert metric(nhd_decode, "pdserve_kv_converted_pulls") >= len(PROMPTS)
+    pools_whole(p, nhd_decode)
+
+
+def test_unequal_tp_from_an_nhd_prefill_is_refused_at_handshake(servers, nhd_decode):
+    d = servers["tp2"]
+    r = httpx.post(d + "/v1/completions", timeout=120, json={
         "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "kv_transfer_params":
-        _complete(p, PROMPTS[0], max_tokens=1,
+        _complete(nhd_decode, PROMPTS[0], max_tokens=1,
                   kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]})
     message = r.json()["error"]["message"]
-    assert r.status_code >= 400 and "prefill TP=2 and decode TP=1 differ" in message, r.text
-    assert "--kv-layout HND" in message, message
-    pools_whole(p, nhd_decode)  # the refused decode gave the prefill its blocks back
-    assert _tokens(_complete(nhd_decode, PROMPTS[0]))  # still serving
+    assert r.status_code >= 400 and "prefill TP=1 and decode TP=2 differ" in message, r.text
+    assert "start the prefill with --kv-layout HND" in message, message
+    pools_whole(nhd_decode, d)  # the refused decode gave the prefill its blocks back
+    assert _tokens(_complete(d, PROMPTS[0]))  # still serving
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,10 @@ from concurrent.futures import wait
 from types import SimpleNamespace
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.connector import PDConnector
-from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import (
     ConnectorContext,
     KVConnectorOutput,
@@ -24,7 +22,6 @@ from pdserve.kv_transfer.interface import (
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.params import FirstToken, KVParams
 from pdserve.kv_transfer.transport import IncompatibleKV, Peer, Transport
-from pdserve.platforms.cpu import CPU
 
 BLOCK_SIZE, BLOCK_BYTES = 4, 1000
 FIRST = FirstToken(42, -0.5, [])
@@ -36,13 +33,15 @@ class FakeTransport(Transport):
         self.sent: list[bytes] = []
         self.inbox: list[bytes] = []
         self.engine_id = "prefill-a"
+        self.block_size = BLOCK_SIZE
         self.refuse: Exception | None = None
         self.released: list[str] = []
+        self.staged: list[list[int]] = []
 
     def connect(self, host, port):
         if self.refuse:
             raise self.refuse
-        return Peer(host, port, self.engine_id, "agent", 100, {})
+        return Peer(host, port, self.engine_id, "agent", 100, self.block_size, {})
 
     def forget(self, peer):
         pass
@@ -68,6 +67,9 @@ class FakeTransport(Transport):
     def release(self, host, port, request_id):
         self.released.append(request_id)
 
+    def stage_out(self, block_ids):
+        self.staged.append(list(block_ids))
+
     def info(self):
         return {"engine_id": "me", "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
 
@@ -75,15 +77,15 @@ class FakeTransport(Transport):
         pass
 
 
-def make(policy: str = "recompute", staging: HostBuffer | None = None, role: str = "kv_both",
-         **extra) -> tuple[PDConnector, FakeTransport]:
+def make(policy: str = "recompute", role: str = "kv_both", **extra
+         ) -> tuple[PDConnector, FakeTransport]:
     cfg = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": role,
                                       "kv_load_failure_policy": policy,
                                       "kv_connector_extra_config": extra})
     ctx = ConnectorContext("me", 0, 1, BLOCK_SIZE, BLOCK_BYTES, 1000)
     transport = FakeTransport()
     metrics = TransferMetrics(CollectorRegistry(), "me")
-    return PDConnector(cfg, ctx, transport, metrics, staging), transport
+    return PDConnector(cfg, ctx, transport, metrics), transport
 
 
 def decode_params(**overrides) -> KVParams:
@@ -147,24 +149,11 @@ def test_a_full_local_hit_pulls_nothing_and_tells_the_prefill():
     assert not transport.reads and transport.sent == [b"done:p1"] and not conn.busy()
 
 
-def test_host_buffer_is_staged_in_before_the_request_is_loaded():
-    cache = torch.zeros(16, 2)
-    staging = HostBuffer(CPU, cache, torch.arange(32.0).reshape(16, 2))
-    conn, transport = make(staging=staging)
-    admit(conn, [0, 1, 2])
-    settle(conn)
-    transport.reads[0].state = "DONE"
-    assert conn.poll().loaded == ["d1"]
-    assert torch.equal(cache[[0, 1, 2]], staging.host[[0, 1, 2]]) and not cache[3:].any()
-
-
 def test_prefill_stages_out_before_announcing():
-    cache = torch.arange(32.0).reshape(16, 2)
-    staging = HostBuffer(CPU, cache, torch.zeros(16, 2))
-    conn, _ = make(staging=staging)
+    conn, transport = make()
     kept, _ = conn.request_finished("p1", KVParams(do_remote_decode=True), [1, 2, 3],
                                     FirstToken(5, -1.0))
-    assert kept and torch.equal(staging.host[[1, 2, 3]], cache[[1, 2, 3]])
+    assert kept and transport.staged == [[1, 2, 3]]
 
 
 def test_without_a_first_token_none_is_handed_on():

@@ -51,7 +51,8 @@ def test_malformed_values_are_refused_by_name(bad, word):
 
 @pytest.mark.parametrize(("bad", "word"), [
     ({"remote_host": "192.168.0.1"}, "not allowed"),
-    ({"remote_block_ids": [1]}, "fills 3"),
+    ({"remote_block_ids": [1]}, "must be a multiple of the prefill's"),
+    ({"remote_block_ids": list(range(7))}, "fills 3"),
     ({"remote_port": 70000}, "remote_port"),
     ({"first_token_id": 10**6}, "first_token_id"),
     ({"first_token_top_logprobs": [[10**6, -1.0]]}, "first_token_top_logprobs"),

@@ -294,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = ([(t, f) for f in (False, True) for t in SWEEP_TOKENS] if args.sweep
              else [(args.tokens, args.fragmented)])
     max_blocks = max(-(-t // args.block_size) * (2 if f else 1) for t, f in cases)
-    decode = Blocks(args.decode_layout, Setup.num_kv_heads,
-                    args.decode_block_size or args.block_size)
-    convert = (decode.layout, decode.block_size) != ("NHD", args.block_size)
+    decode_block_size = args.decode_block_size or args.block_size
+    convert = (args.decode_layout, decode_block_size) != ("NHD", args.block_size)
     setup = Setup(block_size=args.block_size, dtype=args.dtype, num_blocks=max_blocks,
                   progress=args.progress, prefill_progress=args.prefill_progress,
                   progress_delay_us=args.progress_delay_us,
                   target_poll_ms=args.target_poll_ms, step_ms=args.step_ms,
                   random_fill=convert)
+    decode = Blocks(args.decode_layout, setup.num_kv_heads, decode_block_size)
     print(f"block {setup.block_bytes} B, pool {max_blocks} blocks, progress={setup.progress}, "
           f"step={setup.step_ms} ms, UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}", flush=True)
     ctx = mp.get_context("spawn")

@@ -19,7 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.entrypoints.protocol import MAX_N, error_response
 from pdserve.entrypoints.proxy_metrics import ProxyMetrics
-from pdserve.entrypoints.routing import Backend, Disaggregation, Pool, PromptTokens, prefix_key
+from pdserve.entrypoints.routing import (
+    Backend,
+    Disaggregation,
+    Pool,
+    PromptTokens,
+    Residency,
+    prefix_key,
+)
 from pdserve.entrypoints.streams import choice_body, merged_events, sum_usage
 
 log = logging.getLogger("pdserve.proxy")
@@ -73,6 +80,7 @@ class Proxy:
     disagg: Disaggregation = field(default_factory=Disaggregation)
     prompt_tokens: PromptTokens | None = None  # loaded only when routing needs counts
     prefix_tokens: int = 64  # the prefix policy's key: this many leading prompt tokens
+    residency: Residency = field(default_factory=Residency)  # decodes' prompts (if counted)
     metrics: ProxyMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,15 +93,17 @@ class Proxy:
         return h
 
     async def post(self, pool: Pool, path: str, body: dict, request_id: str,
-                   stream: bool, key: bytes | None = None, local: bool = False) -> Sent:
+                   stream: bool, key: bytes | None = None, local: bool = False,
+                   prefer: Backend | None = None) -> Sent:
         """POST to the first backend of `pool` that answers; BackendDown if none does.
-        `local`: a plain request to a decode, counted in its local_prefills from now."""
+        `local`: a plain request to a decode, counted in its local_prefills from now;
+        `prefer`: the backend to try first while load allows (Pool.order)."""
         tried = []
         # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
         # (json.loads took them); the backend judges the body, not the proxy.
         content = json.dumps(body, separators=(",", ":"))
         headers = {**self.headers(request_id), "Content-Type": "application/json"}
-        backends, fell_back = pool.order(key)
+        backends, fell_back = pool.order(key, prefer)
         if fell_back:
             self.metrics.prefix_fallbacks.labels(pool.name).inc()
         for b in backends:
@@ -157,8 +167,14 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
     rlog = request_log(request_id)
     tokens = proxy.prompt_tokens(path, body) if proxy.prompt_tokens else None
     key = prefix_key(tokens, proxy.prefix_tokens)
-    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens), proxy.prefill,
-                                       proxy.decode)
+    # A decode holding the prompt's start (a conversation's earlier turns) computes only
+    # the rest: that is what counts against --local-prefill-below.
+    home, held = proxy.residency.find(tokens, proxy.decode) if tokens else (None, 0)
+    reason = proxy.disagg.local_reason(None if tokens is None else len(tokens) - held,
+                                       proxy.prefill, proxy.decode)
+    if reason == "short_prompt" and held:
+        reason = "cached_prefix"
+    route = Route(key, home, tokens)
     try:
         if reason is None:
             try:
@@ -171,18 +187,26 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
         if reason is not None:  # a plain request: the decode prefills it, as a monolith
             proxy.metrics.routes.labels("local", reason).inc()
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            return await _decode(proxy, path, body, request_id, stream, key,
+            return await _decode(proxy, path, body, request_id, stream, route,
                                  f"local prefill ({reason})", local=True)
         proxy.metrics.routes.labels("remote", "disaggregated").inc()
         if error is not None:
             rlog.info("prefill %s answered %d", via, error.status_code)
             return error
         decode_body = {**body, "kv_transfer_params": params}
-        return await _decode(proxy, path, decode_body, request_id, stream, key,
+        return await _decode(proxy, path, decode_body, request_id, stream, route,
                              f"prefill {via}")
     except BackendDown as e:
         rlog.warning("%s", e)
         return error_response(503, str(e), "service_unavailable")
+
+
+@dataclass(slots=True)
+class Route:
+    """What routing knows of a prompt."""
+    key: bytes | None  # the prefix policy's key
+    home: Backend | None  # the decode holding the longest prefix of it
+    tokens: list[int] | None  # its token ids, if counted
 
 
 def _fans_out(body: dict) -> bool:
@@ -234,12 +258,14 @@ async def _prefill(proxy: Proxy, path: str, body: dict, request_id: str, key: by
 
 
 async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: bool,
-                  key: bytes | None, via: str, local: bool = False) -> Response:
+                  route: Route, via: str, local: bool = False) -> Response:
     """Send `body` to a decode and relay its answer; `local`: a plain request, which the
     decode prefills itself (counted in its local_prefills until its first token is back)."""
-    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=key,
-                            local=local)
+    sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=route.key,
+                            local=local, prefer=route.home)
     resp = sent.resp
+    if route.tokens and resp.status_code == 200:
+        proxy.residency.sent(sent.backend, route.tokens)
     request_log(request_id).info("%s -> decode %s answered %d", via, sent.backend.url,
                                  resp.status_code)
     if not stream or resp.status_code != 200:

@@ -1,5 +1,6 @@
 """How the proxy picks backends: per-tier policies (round robin, least loaded, prefix
-affinity) and the choice between disaggregated and local prefill."""
+affinity), where a prompt's history already is, and the choice between disaggregated and
+local prefill."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import hashlib
 import itertools
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from pdserve.engine.block_allocator import chain_hashes
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 QUEUE_POLL_SECONDS = 0.5
 DOWN_SECONDS = 10.0  # a backend that refused a connection is tried last for this long
+RESIDENT_BLOCK = 16  # tokens per block of the residency record (the engines' default)
+RESIDENT_BLOCKS = 200_000  # blocks remembered (~3M tokens), least recently sent dropped
 
 
 @dataclass(slots=True)
@@ -61,11 +66,16 @@ class Pool:
         for i, b in enumerate(self.backends):
             b.index = i
 
-    def order(self, key: bytes | None = None) -> tuple[list[Backend], bool]:
-        """Backends in the order to try them, the policy's pick first and those that were
-        recently unreachable last; and whether the prefix policy left the prompt's home
-        instance because it was too busy."""
+    def order(self, key: bytes | None = None, prefer: Backend | None = None
+              ) -> tuple[list[Backend], bool]:
+        """Backends in the order to try them, the policy's pick first (`prefer`, where a
+        prompt's history is, before it while load allows) and those that were recently
+        unreachable last; and whether the prefix policy left the prompt's home instance
+        because it was too busy."""
         backends, fell_back = self._by_policy(key)
+        if prefer is not None and prefer.outstanding - min(
+                b.outstanding for b in self.backends) <= self.max_imbalance:
+            backends = [prefer, *(b for b in backends if b is not prefer)]
         return sorted(backends, key=lambda b: not b.up), fell_back  # stable: keeps the pick
 
     def _by_policy(self, key: bytes | None) -> tuple[list[Backend], bool]:
@@ -94,6 +104,39 @@ def prefix_key(token_ids: list[int] | None, num_tokens: int) -> bytes | None:
         return None
     # As text: ids out of any range (the backend refuses them) must not fail here.
     return ",".join(map(str, token_ids[:num_tokens])).encode()
+
+
+@dataclass(slots=True)
+class Residency:
+    """Which backends of a tier hold which prompt prefixes in their prefix caches, as far
+    as this proxy sent them there. A conversation's next turn is its last prompt plus the
+    answer plus a new message: sent where the last prompt went, only the new part is
+    computed (the answer's KV is there too)."""
+    capacity: int = RESIDENT_BLOCKS
+    _where: OrderedDict[bytes, set[int]] = field(default_factory=OrderedDict)
+
+    def sent(self, backend: Backend, tokens: list[int]) -> None:
+        """`backend` now holds the KV of `tokens`' full blocks."""
+        for h in chain_hashes(tokens, RESIDENT_BLOCK, [], len(tokens) // RESIDENT_BLOCK):
+            self._where.setdefault(h, set()).add(backend.index)
+            self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def find(self, tokens: list[int], pool: Pool) -> tuple[Backend | None, int]:
+        """The backend holding the longest prefix of `tokens` (the least loaded of those
+        that tie), and that prefix's length in tokens."""
+        holders: set[int] = set()
+        depth = 0
+        for h in chain_hashes(tokens, RESIDENT_BLOCK, [], len(tokens) // RESIDENT_BLOCK):
+            found = self._where.get(h, set())
+            if not (found if not depth else holders & found):
+                break
+            holders, depth = (found if not depth else holders & found), depth + 1
+        if not depth:
+            return None, 0
+        best = min((pool.backends[i] for i in holders), key=lambda b: b.outstanding)
+        return best, depth * RESIDENT_BLOCK
 
 
 @dataclass(slots=True)
@@ -175,7 +218,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="prefix policy: leave a prompt's home instance when it has more than "
                         "this many requests in flight beyond the idlest")
     p.add_argument("--local-prefill-below", type=int, default=None, metavar="N",
-                   help="prompts under N tokens go straight to a decode, which prefills them")
+                   help="prompts under N tokens go straight to a decode, which prefills them; "
+                        "counted beyond what the decode already holds (a conversation's "
+                        "earlier turns), which is where such prompts go")
     p.add_argument("--max-prefill-queue", type=_queue_limit, default="off", metavar="N",
                    help="while every prefill has more than N requests queued or in flight "
                         "beyond those the decodes are prefilling themselves, send new ones "

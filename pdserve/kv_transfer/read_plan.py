@@ -154,14 +154,18 @@ def _merged(laddr: np.ndarray, raddr: np.ndarray, length: int, ldev: int, rdev: 
 def permute_received(buffer: torch.Tensor, local_ids: list[int], lb: Blocks, rb: Blocks) -> None:
     """Reorder blocks that received another layout's bytes (read_descs) into this side's."""
     k, b, kb = lb.block_size // rb.block_size, rb.block_size, lb.block_size
+    row = buffer.shape[-1] * buffer.element_size()
+    # Move whole words: a head's row as int64s is 4x fewer elements than as bfloat16.
+    words = buffer.view(torch.int64 if row % 8 == 0 else torch.int32 if row % 4 == 0
+                        else torch.uint8)
     ids = torch.tensor(local_ids, device=buffer.device)
-    got = buffer.index_select(0, ids)
+    got = words.index_select(0, ids)
     n, layers, two, *_, dim = got.shape
     if lb.layout == "HND":  # received [kb][heads][dim] per layer and K/V
         fixed = got.view(n, layers, two, kb, lb.heads, dim).transpose(3, 4)
     else:  # received [k][heads][b][dim]
         fixed = got.view(n, layers, two, k, lb.heads, b, dim).transpose(4, 5)
-    buffer.index_copy_(0, ids, fixed.reshape(got.shape))
+    words.index_copy_(0, ids, fixed.reshape(got.shape))
 
 
 def tag(notif: bytes, readers: int) -> bytes:

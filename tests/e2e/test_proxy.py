@@ -46,6 +46,7 @@ def cluster():
                           health="/v1/models"),  # so its /health says 503
         "prefix": proxy([p0.url, p1.url], [d0.url, d1.url], "--policy", "prefix",
                         "--prefix-max-imbalance", "0"),  # leave home when it is busier
+        "turns": proxy([p1.url], [d0.url, d1.url], "--local-prefill-below", "96"),
     }
     yield {"p0": p0.url, "p1": p1.url, "d0": d0.url, "d1": d1.url, "dead": dead,
            "servers": dict(zip(("p0", "p1", "d0", "d1"), servers, strict=True)), **proxies}
@@ -140,28 +141,30 @@ def test_short_prompts_prefill_on_the_decode(cluster):
 
 def test_busy_prefill_tier_sends_new_requests_to_the_decode(cluster):
     cond, p0, d0, ref = cluster["cond"].url, cluster["p0"], cluster["d0"], cluster["d1"]
-    mid = PASSAGE[:300]  # over --local-prefill-below
-    want = _tokens(_complete(ref, mid))
+    # Over --local-prefill-below, and each new to the decode (whose copy of a prompt it
+    # prefilled would make it a cached_prefix, not a disaggregated, route).
+    mids = [f"Case {i}. " + PASSAGE[:300] for i in range(3)]
+    wants = [_tokens(_complete(ref, mid)) for mid in mids]
     busy_before = _route(cond, "local", "prefill_busy")
     with ThreadPoolExecutor(2) as pool:
         # The proxy's own count: its long prompt is still on the prefill. (Long prompts
         # here are new to the prefix cache, or the prefill would skip their work.)
         long = pool.submit(_complete, cond, "Busy: " + LONG, 2)
         _wait(lambda: metric(cond, "pdserve_proxy_backend_outstanding", role="prefill") == 1)
-        assert _tokens(_complete(cond, mid)) == want
+        assert _tokens(_complete(cond, mids[0])) == wants[0]
         assert long.result().status_code == 200
         assert _route(cond, "local", "prefill_busy") - busy_before == 1
         # The prefill's own queue (polled from its /metrics): clients the proxy never saw.
         direct = [pool.submit(_complete, p0, f"Direct {i}: " + LONG, 1) for i in range(2)]
         _wait(lambda: metric(cond, "pdserve_proxy_backend_queue", role="prefill") >= 1)
         assert metric(cond, "pdserve_proxy_backend_outstanding", role="prefill") == 0
-        assert _tokens(_complete(cond, mid)) == want
+        assert _tokens(_complete(cond, mids[1])) == wants[1]
         assert all(f.result().status_code == 200 for f in direct)
     assert _route(cond, "local", "prefill_busy") - busy_before == 2
-    # Idle again: the same prompt is disaggregated.
+    # Idle again: such a prompt is disaggregated.
     _wait(lambda: metric(cond, "pdserve_proxy_backend_queue", role="prefill") == 0)
     remote_before = _route(cond, "remote", "disaggregated")
-    assert _tokens(_complete(cond, mid)) == want
+    assert _tokens(_complete(cond, mids[2])) == wants[2]
     assert _route(cond, "remote", "disaggregated") - remote_before == 1
     pools_whole(p0, d0)
 
@@ -247,3 +250,29 @@ def _wait(cond, timeout: float = 60) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+def test_a_conversations_next_turns_are_computed_only_where_new(cluster):
+    """Turn 1 (long) is disaggregated; each later turn (the history, the answer and a short
+    question) goes to the decode holding the history, which computes only what is new,
+    and the answers equal a monolithic server's."""
+    turns, p, decodes, ref = cluster["turns"].url, cluster["p1"], (cluster["d0"], cluster["d1"]), \
+        cluster["p0"]
+    history = PASSAGE[:1400]
+    for i, question in enumerate(["Who landed on the Moon?", "In which year?",
+                                  "Who stayed in orbit?"]):
+        history += f"\nQ: {question}\nA:"
+        before = {u: metric(u, "pdserve_prompt_tokens_computed_total") for u in (p, *decodes)}
+        got = _complete(turns, history, max_tokens=12)
+        assert _tokens(got) == _tokens(_complete(ref, history, max_tokens=12)), i
+        computed = {u: metric(u, "pdserve_prompt_tokens_computed_total") - before[u]
+                    for u in before}
+        n = got.json()["usage"]["prompt_tokens"]
+        if i == 0:  # disaggregated: the prefill computed it all
+            assert computed[p] == n and sum(computed[d] for d in decodes) == 0, computed
+        else:  # one decode, only the tail of the last block, the answer and the question
+            assert computed[p] == 0 and 0 < sum(computed[d] for d in decodes) < 64 < n, \
+                computed
+            assert min(computed[d] for d in decodes) == 0  # the other decode: nothing
+        history += got.json()["choices"][0]["text"]
+    pools_whole(p, *decodes)

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.entrypoints.routing import Backend, Disaggregation, Pool, PromptTokens, prefix_key
+from pdserve.entrypoints.routing import (
+    RESIDENT_BLOCK,
+    Backend,
+    Disaggregation,
+    Pool,
+    PromptTokens,
+    Residency,
+    prefix_key,
+)
 
 
-def _pool(policy: str, n: int = 3, **kw) -> Pool:
-    return Pool("prefill", [Backend(f"http://b{i}") for i in range(n)], policy, **kw)
+def _pool(policy: str, n: int = 3, name: str = "prefill", **kw) -> Pool:
+    return Pool(name, [Backend(f"http://b{i}") for i in range(n)], policy, **kw)
 
 
 def _urls(backends: list[Backend]) -> list[str]:
@@ -41,6 +49,39 @@ def test_prefix_policy_is_sticky_spreads_and_falls_back_when_busy():
     assert fell_back and order[-1] is home and order[0].outstanding == 0
     # No key (an unreadable body): least loaded.
     assert pool.order(None) == (order, False)
+
+
+def test_residency_finds_the_decode_holding_a_conversations_history():
+    pool = _pool("round_robin", name="decode")
+    where = Residency()
+    turn1 = list(range(100))  # 6 full blocks of 16
+    where.sent(pool.backends[2], turn1)
+    turn2 = turn1 + list(range(500, 620))  # + the answer and a new message
+    assert where.find(turn2, pool) == (pool.backends[2], 96)
+    assert where.find(list(range(1, 100)), pool) == (None, 0)  # another start: nothing
+    where.sent(pool.backends[0], turn1[:40])  # two full blocks there too
+    pool.backends[2].outstanding = 5
+    assert where.find(turn1[:40], pool) == (pool.backends[0], 32)  # tie: the less loaded
+    assert where.find(turn2, pool) == (pool.backends[2], 96)  # the longer one wins
+
+
+def test_residency_forgets_the_least_recently_sent():
+    pool = _pool("round_robin", name="decode")
+    where = Residency(capacity=4)
+    first, second = list(range(64)), list(range(1000, 1064))
+    where.sent(pool.backends[0], first)
+    where.sent(pool.backends[1], second)
+    assert where.find(first, pool) == (None, 0)
+    assert where.find(second, pool) == (pool.backends[1], 4 * RESIDENT_BLOCK)
+
+
+def test_a_preferred_backend_goes_first_while_load_allows():
+    pool = _pool("least_loaded", max_imbalance=2)
+    home = pool.backends[2]
+    home.outstanding = 2
+    assert pool.order(None, prefer=home)[0][0] is home
+    home.outstanding = 3
+    assert pool.order(None, prefer=home)[0][0] is not home
 
 
 def test_prefix_key_is_the_leading_tokens():

@@ -7,6 +7,7 @@ import importlib
 BENCHMARKS = {
     "compare": "1P1D vs TP=1 vs DP=2 on the same workload, with plots",
     "handover": "TTFT through pdserve up vs the prefill's own TTFT",
+    "multiturn": "multi-turn chat: TTFT and prompt tokens computed per turn, three layouts",
     "offline": "engine throughput vs HF transformers (nano-vllm style)",
     "peer": "pdserve vs vLLM-CPU in one run: long prefills, 64 at once, serving",
     "serve": "online serving load (vllm bench serve style) against an OpenAI API",

@@ -26,8 +26,9 @@ import httpx
 from pdserve.bench.launch import free_port, launched, up_layout
 
 COMPUTED = "pdserve_prompt_tokens_computed_total"
-WORDS = ("river stone light garden winter letter market engine silver morning window "
-         "harbor forest question answer little number station paper bridge").split()
+WORDS = ("river", "stone", "light", "garden", "winter", "letter", "market", "engine", "silver",
+         "morning", "window", "harbor", "forest", "question", "answer", "little", "number",
+         "station", "paper", "bridge")
 
 
 @dataclass(slots=True)

@@ -216,9 +216,51 @@ def write_tiny_llama(out: Path, tokenizer_folder: Path, seed: int = 0,
     out.mkdir(parents=True, exist_ok=True)
     save_file(w, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(c, indent=2))
+    _copy_tokenizer(tokenizer_folder, out)
+    return out
+
+
+def _copy_tokenizer(tokenizer_folder: Path, out: Path) -> None:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_folder / f).exists():
             shutil.copy(tokenizer_folder / f, out / f)
+
+
+# Small configs of each model family beside Llama, for transformers' own classes: GQA with
+# 8 heads / 4 KV heads (tensor parallelism splits them), a head_dim unlike hidden / heads.
+FAMILIES = {
+    "qwen3": {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "max_position_embeddings": 2048},
+    "phi3": {"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256,
+             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+}
+
+
+def write_family_model(family: str, out: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
+    """Random weights of FAMILIES[family] made and saved by transformers itself (its config
+    and model classes), with the embedded model's tokenizer. Unit-scale embeddings, lm_head
+    and norms that are not all ones, so that logits are peaked and every weight matters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
+    spec = {**FAMILIES[family], "vocab_size": vocab, "tie_word_embeddings": False,
+            "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                t.normal_(0, 1)
+            elif t.dim() == 2:
+                t.normal_(0, t.shape[1] ** -0.5)
+            else:  # norms
+                t.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_folder, out)
     return out
 
 

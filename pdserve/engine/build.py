@@ -53,6 +53,10 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     device = platform.rank_device(dp_rank * tp) if tp > 1 else platform.device()
     folder = loader.resolve(config.model)
     model_config = ModelConfig.from_folder(folder)
+    if (window := model_config.sliding_window) and config.max_model_len > window:
+        raise ConfigError(f"{config.model}: its attention sees only the last {window} tokens "
+                          "(a sliding window), which pdserve does not implement; serve it "
+                          f"with --max-model-len {window} or less")
     tokenizer = Tokenizer.from_folder(folder, list(model_config.eos_token_ids))
     dtype = loader.TORCH_DTYPES[config.dtype]
     try:

@@ -22,6 +22,8 @@ from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
 from pdserve.model.paged_attention import PagedAttention
 
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # HF model_type values
+
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
@@ -39,16 +41,24 @@ class ModelConfig:
     qkv_bias: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
+    sliding_window: int | None = None  # attention sees only the last this many tokens
 
     @classmethod
     def from_hf(cls, c: dict) -> ModelConfig:
         arch = c.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {arch!r}; supported: llama, mistral, qwen2")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {arch!r}; supported: "
+                             f"{', '.join(ARCHITECTURES)}")
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        if c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {c['partial_rotary_factor']} "
+                             "(RoPE over part of each head)")
+        window = c.get("sliding_window") if c.get("use_sliding_window", arch not in (
+            "qwen2", "qwen3")) else None
         eos = c.get("eos_token_id")
         heads = c["num_attention_heads"]
         return cls(
@@ -64,6 +74,7 @@ class ModelConfig:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None
                                 else []),
+            qk_norm=arch == "qwen3", sliding_window=window,
         )
 
     @classmethod
@@ -152,6 +163,8 @@ class Layer:
     ln1: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], with k_norm (Qwen3)
+    k_norm: torch.Tensor | None
     o: torch.Tensor
     ln2: torch.Tensor
     gate_up: torch.Tensor
@@ -169,6 +182,7 @@ class LlamaModel:
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.dtype = dtype
+        weights = _unfused(weights, config)
         self.all_reduce = all_reduce or (lambda t: t)
         self.gemm = gemm = Gemm.for_model(dtype, device)
         self.ops = Elementwise.for_model(dtype, device)
@@ -196,6 +210,8 @@ class LlamaModel:
             qkv=gemm.weight(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"])),
             qkv_bias=(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.bias") for x in "qkv"])
                       if config.qkv_bias else None),
+            q_norm=w(f"{p}{i}.self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=w(f"{p}{i}.self_attn.k_norm.weight") if config.qk_norm else None,
             o=gemm.weight(w(f"{p}{i}.self_attn.o_proj.weight")),
             ln2=w(f"{p}{i}.post_attention_layernorm.weight"),
             gate_up=gemm.weight(torch.cat([w(f"{p}{i}.mlp.gate_proj.weight"),
@@ -222,9 +238,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             self.checkpoint()
             x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
-            q, k, v = self.ops.rope_store(linear(x, layer.qkv, layer.qkv_bias), c.num_heads,
-                                          cos, sin, cache, i, batch.slot_blocks,
-                                          batch.slot_offsets)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
+            q, k, v = self.ops.rope_store(qkv, c.num_heads, cos, sin, cache, i,
+                                          batch.slot_blocks, batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
             self.checkpoint()
             x = self.ops.silu_mul(linear(self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps),
@@ -233,6 +251,16 @@ class LlamaModel:
             h = h + self.all_reduce(linear(x, layer.down))
         h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: Layer) -> None:
+        """Normalise each head of q and k (the first two parts of qkv), in place."""
+        c, n = self.config, qkv.shape[0]
+        for weight, first, heads in ((layer.q_norm, 0, c.num_heads),
+                                     (layer.k_norm, c.num_heads, c.num_kv_heads)):
+            part = qkv[:, first * c.head_dim:(first + heads) * c.head_dim]
+            normed = self.ops.rms_norm(part.reshape(n * heads, c.head_dim), weight,
+                                       c.rms_norm_eps)
+            part.copy_(normed.view(n, heads * c.head_dim))
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -265,6 +293,26 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
         return out.flatten(1)
+
+
+def _unfused(weights: dict[str, torch.Tensor], config: ModelConfig
+             ) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them into
+    Llama's names, so that tensor parallelism slices each part (the fused tensors hold
+    every rank's heads)."""
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        t, base = out.pop(name), name.rsplit(".", 2)[0]
+        if name.endswith("gate_up_proj.weight"):
+            out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = t.chunk(2)
+            continue
+        # Rows: q, then k and v, in the proportion num_heads : num_kv_heads : num_kv_heads
+        # (this rank's config keeps the proportion of the whole model's).
+        unit = t.shape[0] // (config.num_heads + 2 * config.num_kv_heads)
+        q, kv = config.num_heads * unit, config.num_kv_heads * unit
+        for part, rows in zip("qkv", t.split([q, kv, kv]), strict=True):
+            out[f"{base}.{part}_proj.weight"] = rows
+    return out
 
 
 def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -236,6 +236,16 @@ FAMILIES = {
     "phi3": {"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256,
              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    # Layer 0 routed over 8 experts (2 a token), layer 1 dense.
+    "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256,
+                  "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True, "mlp_only_layers": [1], "num_hidden_layers": 2,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                  "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mixtral": {"model_type": "mixtral", "hidden_size": 128, "intermediate_size": 64,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 2048},
 }
 
 
@@ -255,8 +265,8 @@ def write_family_model(family: str, out: Path, tokenizer_folder: Path, seed: int
         for name, t in model.named_parameters():
             if name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 t.normal_(0, 1)
-            elif t.dim() == 2:
-                t.normal_(0, t.shape[1] ** -0.5)
+            elif t.dim() >= 2:  # projections, routers, experts' stacked projections
+                t.normal_(0, t.shape[-1] ** -0.5)
             else:  # norms
                 t.uniform_(0.5, 1.5)
     model.save_pretrained(out)

@@ -20,9 +20,11 @@ from pdserve.model import loader
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
+from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # HF model_type values
+# HF model_type values
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +45,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
     sliding_window: int | None = None  # attention sees only the last this many tokens
+    # Mixture of experts: the layers whose MLP is routed, and its shape.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0  # each expert's intermediate size
+    renormalise_experts: bool = True
 
     @classmethod
     def from_hf(cls, c: dict) -> ModelConfig:
@@ -74,7 +82,7 @@ class ModelConfig:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None
                                 else []),
-            qk_norm=arch == "qwen3", sliding_window=window,
+            qk_norm=arch in ("qwen3", "qwen3_moe"), sliding_window=window, **_moe(arch, c),
         )
 
     @classmethod
@@ -92,6 +100,8 @@ class ModelConfig:
             return self
         sizes = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
                  "MLP width (intermediate_size)": self.intermediate_size}
+        if self.num_experts:
+            sizes["experts' width"] = self.expert_size
         if bad := [f"{v} {k}" for k, v in sizes.items() if v % tp_size]:
             fits = [t for t in range(1, self.num_kv_heads + 1)
                     if all(v % t == 0 for v in sizes.values())]
@@ -100,7 +110,8 @@ class ModelConfig:
                              f"work: {', '.join(map(str, fits))})")
         return dataclasses.replace(
             self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
-            intermediate_size=self.intermediate_size // tp_size)
+            intermediate_size=self.intermediate_size // tp_size,
+            expert_size=self.expert_size // tp_size)
 
     def kv_shape(self, block_size: int, layout: str) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, block_size, layout)
@@ -167,8 +178,9 @@ class Layer:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     ln2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # a dense MLP's, or
+    down: torch.Tensor | None
+    experts: Experts | None  # a mixture of experts
 
 
 class LlamaModel:
@@ -197,11 +209,25 @@ class LlamaModel:
             if name not in weights:
                 raise ValueError(f"weights are missing tensor {name!r}")
             t = weights[name]
-            part = name.split(".")[-2].removesuffix("_proj")
+            stem = name.split(".")[-2]
+            part = stem.removesuffix("_proj") if stem.endswith("_proj") else None
             if part in sizes:  # this rank's rows (column-parallel) or columns (row-parallel)
-                n = sizes[part]
+                n = config.expert_size if ".experts." in name else sizes[part]
                 t = t.narrow(1 if part in ("o", "down") and t.dim() == 2 else 0, tp_rank * n, n)
             return t.to(device=device, dtype=dtype).contiguous()
+
+        def mlp(prefix: str) -> torch.Tensor:  # gate and up, as one GEMM
+            return gemm.weight(torch.cat([w(f"{prefix}.gate_proj.weight"),
+                                          w(f"{prefix}.up_proj.weight")]))
+
+        def experts(i: int) -> Experts | None:
+            if i not in config.moe_layers:
+                return None
+            e = range(config.num_experts)
+            return Experts(gemm.weight(w(f"{p}{i}.mlp.gate.weight")),
+                           [mlp(f"{p}{i}.mlp.experts.{x}") for x in e],
+                           [gemm.weight(w(f"{p}{i}.mlp.experts.{x}.down_proj.weight"))
+                            for x in e], config.experts_per_token, config.renormalise_experts)
 
         p = "model.layers."
         # Fused projections: one GEMM for q/k/v and one for gate/up.
@@ -214,9 +240,10 @@ class LlamaModel:
             k_norm=w(f"{p}{i}.self_attn.k_norm.weight") if config.qk_norm else None,
             o=gemm.weight(w(f"{p}{i}.self_attn.o_proj.weight")),
             ln2=w(f"{p}{i}.post_attention_layernorm.weight"),
-            gate_up=gemm.weight(torch.cat([w(f"{p}{i}.mlp.gate_proj.weight"),
-                                           w(f"{p}{i}.mlp.up_proj.weight")])),
-            down=gemm.weight(w(f"{p}{i}.mlp.down_proj.weight")),
+            gate_up=None if i in config.moe_layers else mlp(f"{p}{i}.mlp"),
+            down=None if i in config.moe_layers else
+            gemm.weight(w(f"{p}{i}.mlp.down_proj.weight")),
+            experts=experts(i),
         ) for i in range(config.num_layers)]
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -245,8 +272,11 @@ class LlamaModel:
                                           batch.slot_blocks, batch.slot_offsets)
             h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
             self.checkpoint()
-            x = self.ops.silu_mul(linear(self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps),
-                                         layer.gate_up))
+            x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
+            if layer.experts is not None:
+                h = h + self.all_reduce(layer.experts(x, linear, self.ops))
+                continue
+            x = self.ops.silu_mul(linear(x, layer.gate_up))
             self.checkpoint()
             h = h + self.all_reduce(linear(x, layer.down))
         h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
@@ -295,12 +325,41 @@ class LlamaModel:
         return out.flatten(1)
 
 
+def _moe(arch: str, c: dict) -> dict:
+    """ModelConfig's mixture-of-experts fields from an HF config."""
+    if arch == "mixtral":  # every layer routed, over experts of intermediate_size
+        return {"moe_layers": tuple(range(c["num_hidden_layers"])),
+                "num_experts": c["num_local_experts"],
+                "experts_per_token": c["num_experts_per_tok"],
+                "expert_size": c["intermediate_size"]}
+    # Qwen's own configs say num_experts; transformers 5 writes num_local_experts.
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if arch != "qwen3_moe" or not experts:
+        return {}
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+    return {"moe_layers": tuple(i for i in range(c["num_hidden_layers"])
+                                if i not in dense and (i + 1) % step == 0),
+            "num_experts": experts, "experts_per_token": c["num_experts_per_tok"],
+            "expert_size": c["moe_intermediate_size"],
+            "renormalise_experts": bool(c.get("norm_topk_prob", False))}
+
+
+# Mixtral's names for its routed MLP, and Qwen3-MoE's (Llama's style) for the same.
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                  (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
 def _unfused(weights: dict[str, torch.Tensor], config: ModelConfig
              ) -> dict[str, torch.Tensor]:
-    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them into
-    Llama's names, so that tensor parallelism slices each part (the fused tensors hold
-    every rank's heads)."""
-    out = dict(weights)
+    """Weights under one set of names. Phi-3 stores q/k/v as one qkv_proj and gate/up as
+    one gate_up_proj: split into Llama's names, so that tensor parallelism slices each part
+    (the fused tensors hold every rank's heads). Mixtral's experts are renamed."""
+    out = {}
+    for name, t in weights.items():
+        if ".block_sparse_moe." in name:
+            for old, new in _MIXTRAL_NAMES:
+                name = name.replace(old, new)
+        out[name] = t
     for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
         t, base = out.pop(name), name.rsplit(".", 2)[0]
         if name.endswith("gate_up_proj.weight"):

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.entrypoints.routing import (
-    RESIDENT_BLOCK,
-    Backend,
-    Disaggregation,
-    Pool,
-    PromptTokens,
-    Residency,
-    prefix_key,
-)
+from pdserve.entrypoints import routing
+from pdserve.entrypoints.routing import Backend, Disaggregation, Pool, PromptTokens, prefix_key
 
 
 def _pool(policy: str, n: int = 3, name: str = "prefill", **kw) -> Pool:
@@ -53,7 +46,7 @@ def test_prefix_policy_is_sticky_spreads_and_falls_back_when_busy():
 
 def test_residency_finds_the_decode_holding_a_conversations_history():
     pool = _pool("round_robin", name="decode")
-    where = Residency()
+    where = routing.Residency()
     turn1 = list(range(100))  # 6 full blocks of 16
     where.sent(pool.backends[2], turn1)
     turn2 = turn1 + list(range(500, 620))  # + the answer and a new message
@@ -67,12 +60,12 @@ def test_residency_finds_the_decode_holding_a_conversations_history():
 
 def test_residency_forgets_the_least_recently_sent():
     pool = _pool("round_robin", name="decode")
-    where = Residency(capacity=4)
+    where = routing.Residency(capacity=4)
     first, second = list(range(64)), list(range(1000, 1064))
     where.sent(pool.backends[0], first)
     where.sent(pool.backends[1], second)
     assert where.find(first, pool) == (None, 0)
-    assert where.find(second, pool) == (pool.backends[1], 4 * RESIDENT_BLOCK)
+    assert where.find(second, pool) == (pool.backends[1], 4 * routing.RESIDENT_BLOCK)
 
 
 def test_a_preferred_backend_goes_first_while_load_allows():

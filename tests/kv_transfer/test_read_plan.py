@@ -7,15 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kv_transfer import read_plan
 from pdserve.kv_transfer.nixl_agent import Region
 from pdserve.kv_transfer.read_plan import (
     Blocks,
     Geometry,
     ReaderCount,
     Slice,
-    check_block_sizes,
-    check_layouts,
-    check_split,
     num_readers,
     permute_received,
     plan,
@@ -46,16 +44,16 @@ def test_uneven_overlap_reads_from_two_ranks():
 
 def test_refusals_say_why():
     with pytest.raises(IncompatibleKV, match="decode TP size 2 does not divide the model's 3"):
-        check_split(3, 1, 2)
+        read_plan.check_split(3, 1, 2)
     with pytest.raises(IncompatibleKV, match="start the prefill with --kv-layout HND"):
-        check_layouts(2, 1, "NHD", "HND")
-    check_layouts(2, 1, "HND", "NHD")  # head slices of HND blocks: any decode layout
-    check_layouts(2, 2, "NHD", "HND")  # equal splits read whole blocks: any layout
+        read_plan.check_layouts(2, 1, "NHD", "HND")
+    read_plan.check_layouts(2, 1, "HND", "NHD")  # head slices of HND blocks: any decode layout
+    read_plan.check_layouts(2, 2, "NHD", "HND")  # equal splits read whole blocks: any layout
     with pytest.raises(IncompatibleKV, match="unknown KV layout"):
-        check_layouts(1, 1, "XYZ", "HND")
+        read_plan.check_layouts(1, 1, "XYZ", "HND")
     with pytest.raises(IncompatibleKV, match="not a multiple of the prefill's 64"):
-        check_block_sizes(64, 16)
-    check_block_sizes(16, 64)
+        read_plan.check_block_sizes(64, 16)
+    read_plan.check_block_sizes(16, 64)
 
 
 def _cache(kv: torch.Tensor, layout: str, block_size: int, heads: slice,

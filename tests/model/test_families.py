@@ -1,7 +1,7 @@
 """Model families beside Llama (Qwen3: q/k head norms; Phi-3: fused qkv and gate/up
 weights), each a small random model made and saved by transformers: pdserve's float32
 log-probabilities equal transformers' within 1e-4, and greedy output is transformers' (the
-near-tie rule). P/D for them: tests/e2e/test_families.py."""
+near-tie rule). P/D and TP for them: tests/e2e/test_family_serving.py."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def test_logits_match_hf(engine_f32, hf_model, prompts, layout, attention, monke
     assert model.paged is not None
     if attention == "gather":
         monkeypatch.setattr(model, "paged", None)
-    cache = KVCache(engine_f32.model_config.kv_shape(16, layout), 12, torch.float32)
+    cache = KVCache(model.config.kv_shape(16, layout), 12, torch.float32)
     table = [7, 2, 10, 0, 5, 9]  # scattered blocks catch block-table mistakes
     logits = [_forward(model, cache, ids[:40], 0, table, decode=False),
               _forward(model, cache, ids[40:80], 40, table, decode=False)]

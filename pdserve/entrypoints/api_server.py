@@ -21,6 +21,7 @@ from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput
 from pdserve.entrypoints.admission import Admission, Ticket
+from pdserve.entrypoints.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.entrypoints.protocol import (
@@ -57,6 +58,7 @@ class ServerState:
     served_model_names: list[str] = field(default_factory=list)  # default: [model_name]
     admission: Admission = field(default_factory=Admission)
     request_timeout: float | None = None  # seconds; a request's own may be shorter
+    max_request_bytes: int = DEFAULT_MAX_BYTES
     # Frees a remote prefill's blocks for kv_transfer_params we will not read (blocking; it
     # contacts only hosts the params validator allows).
     release_remote: Callable[[KVParams], None] | None = None
@@ -68,6 +70,7 @@ class ServerState:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pdserve")
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     app.state.pd = state
     app.add_exception_handler(HTTPError, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -108,7 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported: pdserve does not "
                                  "compute prompt logprobs; drop one of them")
-        ids = _encode(state, prompt) if isinstance(prompt, str) else prompt
+        ids = await _encode(state, prompt) if isinstance(prompt, str) else prompt
         reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
             state.tokenizer.decode(ids)
@@ -122,7 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
             text = state.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise HTTPError(400, f"cannot apply the chat template: {e}") from None
-        ids = _encode(state, text)
+        ids = await _encode(state, text)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
         reqs = _engine_requests(state, body, ids, max_tokens, raw)
@@ -132,13 +135,21 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _encode(state: ServerState, text: str) -> list[int]:
+async def _encode(state: ServerState, text: str) -> list[int]:
+    """Token ids of a prompt, tokenized off the event loop (a long prompt takes seconds,
+    which /health and every stream would otherwise wait out)."""
+    # No token covers more characters than the vocabulary's longest, so a text longer than
+    # that many per context position cannot fit: refused before any of it is tokenized.
+    if len(text) > state.max_model_len * state.tokenizer.max_token_chars:
+        raise HTTPError(400, f"This model's maximum context length is {state.max_model_len} "
+                             f"tokens; a prompt of {len(text)} characters is longer than that "
+                             "many tokens can be.")
     try:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer takes
         text.encode()
     except UnicodeEncodeError as e:
         raise HTTPError(400, f"the prompt is not valid Unicode: {e.reason} at "
                              f"position {e.start}") from None
-    return state.tokenizer.encode(text)
+    return await asyncio.to_thread(state.tokenizer.encode, text)
 
 
 def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
@@ -320,6 +331,10 @@ async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:
 async def _validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
     parts = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            parts.append(f"the request body is not valid JSON "
+                         f"({err.get('ctx', {}).get('error', 'decode error')})")
+            continue
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     message = "; ".join(parts) or "invalid request body"

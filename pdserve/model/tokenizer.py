@@ -20,6 +20,7 @@ class Tokenizer:
     eos_token_ids: frozenset[int]
     chat_template: jinja2.Template | None
     special: dict[str, str]  # bos_token / eos_token strings for the template
+    max_token_chars: int = 0  # the most characters one token can stand for
 
     @classmethod
     def from_folder(cls, folder: Path, eos_ids: list[int]) -> Tokenizer:
@@ -39,7 +40,10 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         template = env.from_string(source) if isinstance(source, str) else None
-        return cls(backend, frozenset(eos), template, special)
+        # A vocabulary entry's length in its own alphabet (byte-level BPE: a byte a character)
+        # bounds the text characters the token decodes to.
+        longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
+        return cls(backend, frozenset(eos), template, special, longest)
 
     @property
     def vocab_size(self) -> int:

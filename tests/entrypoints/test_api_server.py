@@ -154,6 +154,9 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
                                       "`logprobs` must be set to true"),
     "echo with logprobs": ("completions", {"prompt": "hi", "echo": True, "logprobs": 1},
                            "echo with logprobs is not supported"),
+    "not JSON": ("completions", b'{"prompt": "hi",', "the request body is not valid JSON"),
+    "a prompt longer than any context": ("completions", {"prompt": "word " * 300_000},
+                                         "a prompt of 1500000 characters is longer"),
     "n 0": ("completions", {"prompt": "hi", "n": 0}, "n"),
     "n 129": ("chat/completions", {"messages": CHAT, "n": 129}, "n"),
 }
@@ -176,6 +179,18 @@ def test_bad_request_is_a_readable_400(server, case):
                     json={"prompt": "hi", "max_tokens": 1, "temperature": 0})
     assert ok.status_code == 200, ok.text
     _wait_idle(server.url)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(server, chunked):
+    """9 MiB (the limit is 8 MiB), with a length or chunked (then counted as it comes)."""
+    body = json.dumps({"prompt": "x" * (9 * 2**20)}).encode()
+    content = (body[i:i + 2**20] for i in range(0, len(body), 2**20)) if chunked else body
+    r = httpx.post(f"{server.url}/v1/completions", content=content, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_openai_client_sees_bad_request_error(client):

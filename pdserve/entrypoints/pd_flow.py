@@ -169,12 +169,13 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
     key = prefix_key(tokens, proxy.prefix_tokens)
     # A decode holding the prompt's start (a conversation's earlier turns) computes only
     # the rest: that is what counts against --local-prefill-below.
-    home, held = proxy.residency.find(tokens, proxy.decode) if tokens else (None, 0)
+    blocks = Residency.blocks(tokens) if tokens else []
+    home, held = proxy.residency.find(blocks, proxy.decode)
     reason = proxy.disagg.local_reason(None if tokens is None else len(tokens) - held,
                                        proxy.prefill, proxy.decode)
     if reason == "short_prompt" and held:
         reason = "cached_prefix"
-    route = Route(key, home, tokens)
+    route = Route(key, home, blocks)
     try:
         if reason is None:
             try:
@@ -206,7 +207,7 @@ class Route:
     """What routing knows of a prompt."""
     key: bytes | None  # the prefix policy's key
     home: Backend | None  # the decode holding the longest prefix of it
-    tokens: list[int] | None  # its token ids, if counted
+    blocks: list[bytes]  # its full blocks' hashes (Residency.blocks), if counted
 
 
 def _fans_out(body: dict) -> bool:
@@ -264,8 +265,8 @@ async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: 
     sent = await proxy.post(proxy.decode, path, body, request_id, stream=True, key=route.key,
                             local=local, prefer=route.home)
     resp = sent.resp
-    if route.tokens and resp.status_code == 200:
-        proxy.residency.sent(sent.backend, route.tokens)
+    if route.blocks and resp.status_code == 200:
+        proxy.residency.sent(sent.backend, route.blocks)
     request_log(request_id).info("%s -> decode %s answered %d", via, sent.backend.url,
                                  resp.status_code)
     if not stream or resp.status_code != 200:

@@ -115,24 +115,30 @@ class Residency:
     capacity: int = RESIDENT_BLOCKS
     _where: OrderedDict[bytes, set[int]] = field(default_factory=OrderedDict)
 
-    def sent(self, backend: Backend, tokens: list[int]) -> None:
-        """`backend` now holds the KV of `tokens`' full blocks."""
-        for h in chain_hashes(tokens, RESIDENT_BLOCK, [], len(tokens) // RESIDENT_BLOCK):
+    @staticmethod
+    def blocks(tokens: list[int]) -> list[bytes]:
+        """The chain hashes of a prompt's full blocks, by which it is recorded and found."""
+        return chain_hashes(tokens, RESIDENT_BLOCK, [], len(tokens) // RESIDENT_BLOCK)
+
+    def sent(self, backend: Backend, blocks: list[bytes]) -> None:
+        """`backend` now holds the KV of these blocks."""
+        for h in blocks:
             self._where.setdefault(h, set()).add(backend.index)
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
-    def find(self, tokens: list[int], pool: Pool) -> tuple[Backend | None, int]:
-        """The backend holding the longest prefix of `tokens` (the least loaded of those
-        that tie), and that prefix's length in tokens."""
-        holders: set[int] = set()
+    def find(self, blocks: list[bytes], pool: Pool) -> tuple[Backend | None, int]:
+        """The backend holding the longest run of these blocks from the first (the least
+        loaded of those that tie), and that run's length in tokens."""
+        holders: set[int] | None = None
         depth = 0
-        for h in chain_hashes(tokens, RESIDENT_BLOCK, [], len(tokens) // RESIDENT_BLOCK):
+        for h in blocks:
             found = self._where.get(h, set())
-            if not (found if not depth else holders & found):
+            common = found if holders is None else holders & found
+            if not common:
                 break
-            holders, depth = (found if not depth else holders & found), depth + 1
+            holders, depth = common, depth + 1
         if not depth:
             return None, 0
         best = min((pool.backends[i] for i in holders), key=lambda b: b.outstanding)

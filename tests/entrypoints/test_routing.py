@@ -44,28 +44,32 @@ def test_prefix_policy_is_sticky_spreads_and_falls_back_when_busy():
     assert pool.order(None) == (order, False)
 
 
+_blocks = routing.Residency.blocks
+
+
 def test_residency_finds_the_decode_holding_a_conversations_history():
     pool = _pool("round_robin", name="decode")
     where = routing.Residency()
     turn1 = list(range(100))  # 6 full blocks of 16
-    where.sent(pool.backends[2], turn1)
+    where.sent(pool.backends[2], _blocks(turn1))
     turn2 = turn1 + list(range(500, 620))  # + the answer and a new message
-    assert where.find(turn2, pool) == (pool.backends[2], 96)
-    assert where.find(list(range(1, 100)), pool) == (None, 0)  # another start: nothing
-    where.sent(pool.backends[0], turn1[:40])  # two full blocks there too
+    assert where.find(_blocks(turn2), pool) == (pool.backends[2], 96)
+    assert where.find(_blocks(list(range(1, 100))), pool) == (None, 0)  # another start
+    where.sent(pool.backends[0], _blocks(turn1[:40]))  # two full blocks there too
     pool.backends[2].outstanding = 5
-    assert where.find(turn1[:40], pool) == (pool.backends[0], 32)  # tie: the less loaded
-    assert where.find(turn2, pool) == (pool.backends[2], 96)  # the longer one wins
+    assert where.find(_blocks(turn1[:40]), pool) == (pool.backends[0], 32)  # tie: the less loaded
+    assert where.find(_blocks(turn2), pool) == (pool.backends[2], 96)  # the longer one wins
 
 
 def test_residency_forgets_the_least_recently_sent():
     pool = _pool("round_robin", name="decode")
     where = routing.Residency(capacity=4)
     first, second = list(range(64)), list(range(1000, 1064))
-    where.sent(pool.backends[0], first)
-    where.sent(pool.backends[1], second)
-    assert where.find(first, pool) == (None, 0)
-    assert where.find(second, pool) == (pool.backends[1], 4 * routing.RESIDENT_BLOCK)
+    where.sent(pool.backends[0], _blocks(first))
+    where.sent(pool.backends[1], _blocks(second))
+    assert where.find(_blocks(first), pool) == (None, 0)
+    assert where.find(_blocks(second), pool) == \
+        (pool.backends[1], 4 * routing.RESIDENT_BLOCK)
 
 
 def test_a_preferred_backend_goes_first_while_load_allows():

@@ -7,7 +7,8 @@ pushes ("add", Request) / ("abort", id) / ("metrics", n) / ("expire_leases",) / 
 to each rank, and
 every rank pushes ("ready", rank, info, summary) / ("error", rank, msg) / ("out", outputs) /
 ("metrics", n, families) back on one shared socket. A rank that dies fails its requests
-with an error, gets no more, and makes the server unhealthy (so it is restarted)."""
+with an error and gets no more until the server has started it again; one that cannot be
+started again makes the server unhealthy (so that it is restarted)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import threading
 import time
 
 import zmq
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
@@ -30,6 +31,10 @@ from pdserve.engine.dp_rank import RankSpec, run_rank
 from pdserve.engine.request import Request, RequestOutput
 
 log = logging.getLogger("pdserve.dp")
+WATCH_EVERY_S = 0.5  # how often the reader looks for ranks that died
+# A rank that dies again this soon after its restart is not restarted again: it would only
+# fail every request sent its way.
+RESTART_MIN_UPTIME_S = 10.0
 
 
 class DPEngine(StreamingClient):
@@ -41,26 +46,33 @@ class DPEngine(StreamingClient):
         self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(f"ipc://{self._dir}/out")
-        self._push: list[zmq.Socket] = []
         self._send_lock = threading.Lock()
         self.outstanding = [0] * size
         self.info: list[list[dict]] = [[]] * size  # per DP rank: its TP ranks' info
         self.summaries = [""] * size
         self._owner: dict[str, int] = {}
-        self.dead: set[int] = set()
+        self.dead: set[int] = set()  # not taking requests: restarting, or given up on
+        self.given_up: set[int] = set()
+        self._started: list[float] = [time.monotonic()] * size
+        self._registry = CollectorRegistry()
+        self.restarts = Counter("pdserve_engine_rank_restarts", "Engine ranks that died and "
+                                "were started again", registry=self._registry)
         self._metrics: dict[int, tuple[asyncio.Future, list]] = {}
         self._metrics_seq = 0
-        self._procs = [self._spawn(RankSpec(r, config, kv, side_channel,
-                                            f"ipc://{self._dir}/in{r}", f"ipc://{self._dir}/out"))
-                       for r in range(size)]
+        self._specs = [RankSpec(r, config, kv, side_channel, f"ipc://{self._dir}/in{r}",
+                                f"ipc://{self._dir}/out") for r in range(size)]
+        self._push = [self._inbox(spec) for spec in self._specs]
+        self._procs = [self._spawn(spec) for spec in self._specs]
         self._await_ready(start_timeout)
         self._reader = threading.Thread(target=self._read, name="dp-reader", daemon=True)
         self._reader.start()
 
-    def _spawn(self, spec: RankSpec) -> mp.Process:
+    def _inbox(self, spec: RankSpec) -> zmq.Socket:
         push = self._ctx.socket(zmq.PUSH)
         push.bind(spec.inbox)
-        self._push.append(push)
+        return push
+
+    def _spawn(self, spec: RankSpec) -> mp.Process:
         # A daemonic process may not start children: tensor-parallel workers need one that is not.
         proc = mp.get_context("spawn").Process(
             target=run_rank, args=(spec,), name=f"engine-dp{spec.rank}",
@@ -127,10 +139,10 @@ class DPEngine(StreamingClient):
             families = await asyncio.wait_for(fut, timeout=10)
         finally:
             self._metrics.pop(seq, None)
-        return generate_latest(_Families(_merge(families)))
+        return generate_latest(_Families(_merge([*families, *self._registry.collect()])))
 
     def healthy(self) -> bool:
-        return not self.dead
+        return not self.given_up
 
     def describe(self) -> str:
         return "; ".join(self.summaries)
@@ -151,12 +163,21 @@ class DPEngine(StreamingClient):
         return [r for r in range(len(self._procs)) if r not in self.dead]
 
     def _read(self) -> None:
+        watch = 0.0
         while True:
-            if not self._pull.poll(1000):
+            if time.monotonic() >= watch:  # however busy the live ranks keep the socket
                 self._watch()
+                watch = time.monotonic() + WATCH_EVERY_S
+            if not self._pull.poll(int(WATCH_EVERY_S * 1000)):
                 continue
             msg = pickle.loads(self._pull.recv())
-            if msg[0] == "out":
+            if msg[0] == "ready":
+                _, rank, self.info[rank], self.summaries[rank] = msg
+                self.dead.discard(rank)
+                log.info("engine rank %d is back", rank)
+            elif msg[0] == "error":
+                self._give_up(msg[1], msg[2])
+            elif msg[0] == "out":
                 self._dispatch(msg[1])
             elif msg[0] == "metrics" and (entry := self._metrics.get(msg[1])) is not None:
                 fut, got = entry
@@ -165,16 +186,33 @@ class DPEngine(StreamingClient):
                     fut.get_loop().call_soon_threadsafe(_resolve, fut, got)
 
     def _watch(self) -> None:
-        """Fail the requests of ranks that died since the last look."""
-        for rank in self._live():
-            proc = self._procs[rank]
-            if proc.is_alive():
+        """Fail the requests of ranks that died since the last look, and start them again."""
+        for rank, proc in enumerate(self._procs):
+            if proc.is_alive() or rank in self.given_up:
+                continue
+            why = f"engine rank {rank} died (exit code {proc.exitcode})"
+            if rank in self.dead:  # before it was ready again
+                self._give_up(rank, f"{why} while starting again")
                 continue
             self.dead.add(rank)
-            why = f"engine rank {rank} died (exit code {proc.exitcode})"
-            log.error("%s; failing its requests, the server reports unhealthy", why)
             self._dispatch([_failed(rid, why) for rid, r in list(self._owner.items())
                             if r == rank])
+            if time.monotonic() - self._started[rank] < RESTART_MIN_UPTIME_S:
+                self._give_up(rank, f"{why} {RESTART_MIN_UPTIME_S:.0f}s after its start")
+                continue
+            log.error("%s; failed its requests, starting it again", why)
+            self.restarts.inc()
+            with self._send_lock:  # a fresh inbox: the old one may hold unread commands
+                self._push[rank].close()
+                self._push[rank] = self._inbox(self._specs[rank])
+            self._procs[rank] = self._spawn(self._specs[rank])
+            self._started[rank] = time.monotonic()
+
+    def _give_up(self, rank: int, why: str) -> None:
+        log.error("engine rank %d: %s; not restarting it: the server reports unhealthy",
+                  rank, why)
+        self.dead.add(rank)
+        self.given_up.add(rank)
 
 
 def _failed(request_id: str, error: str) -> RequestOutput:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -30,6 +29,7 @@ from pdserve.entrypoints.protocol import (
     _Body,
     error_body,
     require_api_key,
+    sse_event,
     valid_request_id,
 )
 from pdserve.entrypoints.streams import merge_streams
@@ -311,16 +311,12 @@ async def _sse(fmt: ResponseFormat, outputs: AsyncIterator[RequestOutput]) -> As
     try:
         async for out in outputs:
             for chunk in fmt.chunks(out):
-                yield _event(chunk)
+                yield sse_event(chunk)
     except HTTPError as e:
-        yield _event(error_body(e.message, e.status, e.kind))
+        yield sse_event(error_body(e.message, e.status, e.kind))
     finally:
         await outputs.aclose()
     yield "data: [DONE]\n\n"
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.entrypoints.protocol import MAX_N, error_response
+from pdserve.entrypoints.protocol import MAX_N, error_body, error_response, sse_event
 from pdserve.entrypoints.proxy_metrics import ProxyMetrics
 from pdserve.entrypoints.routing import (
     Backend,
@@ -32,8 +32,22 @@ from pdserve.entrypoints.streams import choice_body, merged_events, sum_usage
 log = logging.getLogger("pdserve.proxy")
 
 
+# Answers from a prefill that say it failed or is going away: another prefill may serve.
+# (A decode's 503 is retried too; its other 5xx are relayed: it may have pulled the KV.)
+PREFILL_RETRY_STATUSES = frozenset({500, 502, 503})
+# Backends a request may reach and lose (a 5xx, or a connection dropped mid-request) before
+# the proxy gives up on the tier: the first and one retry. One that refuses the connection
+# costs nothing and does not count.
+MAX_LOST_SENDS = 2
+
+
 class BackendDown(Exception):
-    pass
+    """No backend of a tier took the request."""
+
+
+class BackendDied(Exception):
+    """A decode took a request naming a prefill's KV and failed before answering: the KV
+    may be gone (read, then freed by the prefill), so no other decode may read it."""
 
 
 def request_log(request_id: str) -> logging.LoggerAdapter:
@@ -98,15 +112,22 @@ class Proxy:
         """POST to the first backend of `pool` that answers; BackendDown if none does.
         `local`: a plain request to a decode, counted in its local_prefills from now;
         `prefer`: the backend to try first while load allows (Pool.order)."""
-        tried = []
+        tried: list[str] = []
         # Not httpx's json=: it refuses NaN and lone surrogates, which clients may send
         # (json.loads took them); the backend judges the body, not the proxy.
         content = json.dumps(body, separators=(",", ":"))
         headers = {**self.headers(request_id), "Content-Type": "application/json"}
         backends, fell_back = pool.order(key, prefer)
+        # A prefill tier that cannot answer hands the prompt to a decode (_through_tiers);
+        # a decode tier's last answer is relayed, whatever it is.
+        retry = PREFILL_RETRY_STATUSES if pool is self.prefill else frozenset({503})
+        last = None if pool is self.prefill else backends[-1]
         if fell_back:
             self.metrics.prefix_fallbacks.labels(pool.name).inc()
+        lost = 0
         for b in backends:
+            if lost == MAX_LOST_SENDS:
+                break
             req = self.client.build_request("POST", b.url + path, content=content,
                                             headers=headers)
             b.outstanding += 1
@@ -118,25 +139,29 @@ class Proxy:
                 # may take it, unless the body names a prefill's KV: the refusing decode
                 # has told that prefill to free it (_exchange starts over instead).
                 b.mark(reachable=resp.status_code != 503)
-                if resp.status_code != 503 or b is backends[-1] or _pulls_kv(body):
+                if resp.status_code not in retry or b is last or _pulls_kv(body):
                     return Sent(b, pool, resp, start, self.metrics, local)
+                lost += resp.status_code != 503
                 await resp.aclose()
                 b.unsent(local)
-                self.metrics.retries.labels(b.url, pool.name).inc()
-                tried.append(f"{b.url} (503)")
-                request_log(request_id).warning("%s backend %s answered 503; trying the next",
-                                                pool.name, b.url)
+                why = f"answered {resp.status_code}"
             except asyncio.CancelledError:  # our client went away
                 b.unsent(local)
                 raise
             except httpx.TransportError as e:
                 b.unsent(local)
                 b.mark(reachable=False)
-                self.metrics.retries.labels(b.url, pool.name).inc()
-                tried.append(f"{b.url} ({type(e).__name__})")
-                request_log(request_id).warning("%s backend %s unreachable: %s", pool.name,
-                                                b.url, e)
-        raise BackendDown(f"no {pool.name} backend is reachable: {', '.join(tried)}")
+                why = f"unreachable: {type(e).__name__}"
+                if not isinstance(e, httpx.ConnectError):  # it took the request, then died
+                    why = f"lost the request: {type(e).__name__}"
+                    lost += 1
+                    if _pulls_kv(body):
+                        raise BackendDied(f"{pool.name} backend {b.url} {why}") from e
+            self.metrics.retries.labels(b.url, pool.name).inc()
+            tried.append(f"{b.url} ({why})")
+            request_log(request_id).warning("%s backend %s %s; trying the next", pool.name,
+                                            b.url, why)
+        raise BackendDown(f"no {pool.name} backend took the request: {', '.join(tried)}")
 
 
 async def answer(proxy: Proxy, path: str, body: dict, request_id: str,
@@ -152,10 +177,11 @@ def _pulls_kv(body: dict) -> bool:
 
 async def _exchange(proxy: Proxy, path: str, body: dict, request_id: str,
                     stream: bool) -> Response:
-    """One request through the tiers; once more if it got a 503 where another decode could
-    serve it (a draining decode refuses a prefilled request and is then tried last)."""
+    """One request through the tiers; once more, from its prefill, if it got a 503 or a 502
+    where another decode could serve it: a draining decode refuses a prefilled request, a
+    dying one loses it (either is then tried last)."""
     response = await _through_tiers(proxy, path, body, request_id, stream)
-    if response.status_code == 503 and len(proxy.decode.backends) > 1:
+    if response.status_code in (502, 503) and len(proxy.decode.backends) > 1:
         request_log(request_id).info("answered 503; once more, on other backends")
         response = await _through_tiers(proxy, path, body, request_id, stream)
     return response
@@ -180,9 +206,7 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
         if reason is None:
             try:
                 params, error, via = await _prefill(proxy, path, body, request_id, key)
-            except BackendDown as e:
-                if proxy.disagg.max_prefill_queue is None:  # no overflow to the decodes
-                    raise
+            except BackendDown as e:  # the decode prefills it: slower, but answered
                 rlog.warning("%s", e)
                 reason = "prefill_down"
         if reason is not None:  # a plain request: the decode prefills it, as a monolith
@@ -200,6 +224,9 @@ async def _through_tiers(proxy: Proxy, path: str, body: dict, request_id: str,
     except BackendDown as e:
         rlog.warning("%s", e)
         return error_response(503, str(e), "service_unavailable")
+    except BackendDied as e:
+        rlog.warning("%s", e)
+        return error_response(502, str(e), "service_unavailable")
 
 
 @dataclass(slots=True)
@@ -272,6 +299,9 @@ async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: 
     if not stream or resp.status_code != 200:
         try:
             content = await resp.aread()
+        except httpx.TransportError as e:
+            raise BackendDied(f"decode backend {sent.backend.url} lost the request: "
+                              f"{type(e).__name__}") from e
         finally:
             sent.finish()
             await resp.aclose()
@@ -282,6 +312,12 @@ async def _decode(proxy: Proxy, path: str, body: dict, request_id: str, stream: 
             async for chunk in resp.aiter_raw():
                 sent.prefilled()
                 yield chunk
+        except httpx.TransportError as e:  # the decode died mid-stream: say so, then end
+            why = f"decode backend {sent.backend.url} failed mid-stream: {type(e).__name__}"
+            request_log(request_id).warning("%s", why)
+            sent.backend.mark(reachable=False)
+            yield sse_event(error_body(why, 502, "service_unavailable"))
+            yield "data: [DONE]\n\n"
         finally:  # also when the client goes away: closing aborts the decode's request
             sent.finish()
             await resp.aclose()

@@ -5,6 +5,7 @@ ignore_eos, stop_token_ids), the error body, and the HTTP rules server and proxy
 from __future__ import annotations
 
 import hmac
+import json
 import re
 from typing import Any, Literal
 
@@ -131,6 +132,11 @@ def error_body(message: str, code: int, kind: str = "invalid_request_error",
 def error_response(status: int, message: str, kind: str = "invalid_request_error"
                    ) -> JSONResponse:
     return JSONResponse(error_body(message, status, kind), status_code=status)
+
+
+def sse_event(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def valid_request_id(request_id: str) -> bool:

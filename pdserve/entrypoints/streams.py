@@ -10,6 +10,8 @@ from typing import TypeVar
 
 from fastapi.responses import StreamingResponse
 
+from pdserve.entrypoints.protocol import sse_event
+
 T = TypeVar("T")
 
 
@@ -78,8 +80,8 @@ async def merged_events(answers: list[StreamingResponse]):
             continue
         for c in chunk.get("choices") or []:
             c["index"] = i
-        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        yield sse_event(chunk)
     if usages:
         usage = {**usages[0], "usage": sum_usage([u["usage"] for u in usages])}
-        yield f"data: {json.dumps(usage, separators=(',', ':'))}\n\n"
+        yield sse_event(usage)
     yield "data: [DONE]\n\n"

@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.engine import core_loan
 from pdserve.entrypoints.routing import add_routing_args, check_routing_args, routing_argv
 from pdserve.entrypoints.serve import add_engine_args, add_server_args
+from pdserve.entrypoints.supervisor import Supervisor
 
 log = logging.getLogger("pdserve.up")
 UP_MAX_PREFILL_QUEUE = 2  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
@@ -34,6 +36,9 @@ class Instance:
     env: dict[str, str]
     cpus: set[int] | None = None
     nice: int = 0
+    # What says it is alive: the proxy's /health also judges its backends, which may be
+    # restarting; its /metrics answers while its own loop runs.
+    probe: str = "/health"
     proc: subprocess.Popen | None = None
 
 
@@ -60,6 +65,8 @@ def add_parser(sub) -> None:
     p.set_defaults(max_prefill_queue=UP_MAX_PREFILL_QUEUE)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="where up serves its own metrics (restarts); default: --base-port - 1")
     p.add_argument("--core-loan", action=argparse.BooleanOptionalAction, default=True,
                    help="a prefill computes on the decodes' cores while they have nothing "
                    "to decode (default: on)")
@@ -114,7 +121,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str], boards: str | None = 
     # The proxy relays every token: on the prefills' cores it takes none from a decode's.
     spare = [c for c, _, _ in cores["prefill"]]
     out.append(Instance("proxy", proxy, f"http://{args.host}:{args.port}", {},
-                        set().union(*spare) if None not in spare else None))
+                        set().union(*spare) if None not in spare else None, probe="/metrics"))
     return out
 
 
@@ -212,12 +219,15 @@ def _run(args: argparse.Namespace, instances: list[Instance]) -> int:
             return 0 if stopping else 1
         print(f"pdserve up: {args.prefill} prefill + {args.decode} decode ready; "
               f"send requests to {instances[-1].url}/v1", flush=True)
-        while not stopping:
-            if (dead := [i for i in instances if i.proc.poll() is not None]):
-                log.error("%s exited with %s; stopping everything", dead[0].name,
-                          dead[0].proc.returncode)
-                return 1
-            time.sleep(0.5)
+        registry = CollectorRegistry()
+        supervisor = Supervisor(instances, _start, _kill, args.startup_timeout, registry)
+        _serve_metrics(registry, args.host, args.metrics_port or args.base_port - 1)
+        try:
+            while not stopping:  # instances that die come back; up stops on its signal
+                supervisor.check()
+                time.sleep(0.5)
+        finally:
+            supervisor.close()
         return 0
     finally:  # SIGTERM to each: servers drain, the proxy finishes its open streams
         _stop_all(instances, args.drain_timeout + 10)
@@ -236,6 +246,20 @@ def _start(inst: Instance) -> None:
     inst.proc = subprocess.Popen(inst.argv, env={**os.environ, **inst.env}, preexec_fn=pre,
                                  process_group=0, stdin=subprocess.DEVNULL)
     log.info("started %s (pid %d) at %s", inst.name, inst.proc.pid, inst.url)
+
+
+def _kill(inst: Instance) -> None:
+    """SIGKILL and reap: its ports are free for the instance started in its place."""
+    _signal(inst, signal.SIGKILL)
+    inst.proc.wait()
+
+
+def _serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
+    try:
+        start_http_server(port, host, registry)
+        log.info("up's metrics at http://%s:%d/metrics", host, port)
+    except OSError as e:  # a port taken costs the metrics, not the instances
+        log.warning("up's metrics not served: port %d: %s", port, e)
 
 
 def _wait_healthy(instances: list[Instance], timeout: float, stopping) -> bool:

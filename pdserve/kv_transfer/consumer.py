@@ -143,6 +143,14 @@ class Consumer:
         elif pull.key not in self.connecting:
             self.connecting[pull.key] = self._pool.submit(self.transport.connect, *pull.key)
 
+    def _drop_peer(self, peer: Peer) -> None:
+        """Forget a peer whose READs fail or stall: the prefill died, and one started again at its
+        address (a supervisor's restart: same engine id, a new agent) is handshaken afresh
+        by the next request, instead of every pull failing on the stale agent."""
+        if self.peers.get(key := (peer.host, peer.port)) is peer:
+            del self.peers[key]
+            self.transport.forget(peer)
+
     def _collect_handshakes(self, out: KVConnectorOutput) -> None:
         for key, fut in list(self.connecting.items()):
             if not fut.done():
@@ -198,6 +206,7 @@ class Consumer:
         except (ValueError, RuntimeError) as e:
             pull.handle = None
             self._fail(pull, f"KV read from {pull.host}:{pull.port} refused: {e}", out)
+            self._drop_peer(pull.peer)
             return
         pull.started = time.monotonic()
         pull.deadline = pull.started + self.x.transfer_timeout
@@ -210,6 +219,7 @@ class Consumer:
         if state != "DONE":
             why = "timed out" if state == "PROC" else "failed (prefill gone?)"
             self._fail(pull, f"KV read from {pull.host}:{pull.port} {why}", out)
+            self._drop_peer(pull.peer)
             return
         self.metrics.pulled(*self.transport.handle_stats(handle), now - pull.started)
         del self.pulls[pull.request_id]

@@ -143,12 +143,15 @@ class Consumer:
         elif pull.key not in self.connecting:
             self.connecting[pull.key] = self._pool.submit(self.transport.connect, *pull.key)
 
-    def _drop_peer(self, peer: Peer) -> None:
-        """Forget a peer whose READs fail or stall: the prefill died, and one started again at its
-        address (a supervisor's restart: same engine id, a new agent) is handshaken afresh
-        by the next request, instead of every pull failing on the stale agent."""
-        if self.peers.get(key := (peer.host, peer.port)) is peer:
-            del self.peers[key]
+    def _drop_peer(self, pull: Pull) -> None:
+        """Forget the peer of a pull whose READ failed or stalled: the prefill died, and one
+        started again at its address (a supervisor's restart: same engine id, a new agent)
+        is handshaken afresh by the next request, instead of every pull failing on the
+        stale agent. The failed pull's release then goes over the side channel, to whoever
+        serves there now."""
+        peer, pull.peer = pull.peer, None
+        if self.peers.get(pull.key) is peer:
+            del self.peers[pull.key]
             self.transport.forget(peer)
 
     def _collect_handshakes(self, out: KVConnectorOutput) -> None:
@@ -205,8 +208,8 @@ class Consumer:
                                               pull.remote_ids[skip * k:], pull.message(DONE))
         except (ValueError, RuntimeError) as e:
             pull.handle = None
+            self._drop_peer(pull)
             self._fail(pull, f"KV read from {pull.host}:{pull.port} refused: {e}", out)
-            self._drop_peer(pull.peer)
             return
         pull.started = time.monotonic()
         pull.deadline = pull.started + self.x.transfer_timeout
@@ -218,8 +221,8 @@ class Consumer:
         handle, pull.handle = pull.handle, None
         if state != "DONE":
             why = "timed out" if state == "PROC" else "failed (prefill gone?)"
+            self._drop_peer(pull)
             self._fail(pull, f"KV read from {pull.host}:{pull.port} {why}", out)
-            self._drop_peer(pull.peer)
             return
         self.metrics.pulled(*self.transport.handle_stats(handle), now - pull.started)
         del self.pulls[pull.request_id]
@@ -233,7 +236,7 @@ class Consumer:
         self.pulls.pop(pull.request_id, None)
         if pull.peer is not None:
             self.transport.notify(pull.peer, pull.message(DONE))
-        else:  # no NIXL peer (refused handshake): give the blocks back over the side channel
+        else:  # no NIXL peer (refused handshake, failed READ): the side channel tells it
             self._pool.submit(self.transport.release, pull.host, pull.port,
                               pull.remote_request_id)
         if pull.abandoned:

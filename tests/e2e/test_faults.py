@@ -101,6 +101,7 @@ def test_restarted_prefill_gets_a_fresh_handshake(mono):
 
 
 def test_proxy_skips_a_down_backend_and_names_them_when_all_are_down(mono):
+    """A dead prefill is skipped; with none, the decode prefills; with no decode, a 503."""
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = start_server(["proxy", "--port", str(free_port()), "--prefill", dead, mono.url,
                           "--decode", mono.url])
@@ -111,11 +112,23 @@ def test_proxy_skips_a_down_backend_and_names_them_when_all_are_down(mono):
         assert httpx.get(proxy.url + "/health").json()["backends"][dead] == "down"
     finally:
         proxy.stop()
+    # No prefill up: the decode prefills the prompt itself.
     proxy = start_server(["proxy", "--port", str(free_port()), "--prefill", dead,
                           "--decode", mono.url], health="/v1/models")
     try:
         r = httpx.post(proxy.url + "/v1/completions", json=_body(max_tokens=2), timeout=60)
-        assert r.status_code == 503 and dead in r.json()["error"]["message"]
+        assert r.status_code == 200, r.text
+        assert metric(proxy.url, "pdserve_proxy_routes_total", route="local",
+                      reason="prefill_down") == 1
+    finally:
+        proxy.stop()
+    # Nothing up: a 503 naming what was tried.
+    dead_decode = f"http://127.0.0.1:{free_port()}"
+    proxy = start_server(["proxy", "--port", str(free_port()), "--prefill", dead,
+                          "--decode", dead_decode], health="/metrics")
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", json=_body(max_tokens=2), timeout=60)
+        assert r.status_code == 503 and dead_decode in r.json()["error"]["message"], r.text
         bad = httpx.post(proxy.url + "/v1/completions", content=b"{not json", timeout=10)
         assert bad.status_code == 400
     finally:

@@ -37,14 +37,17 @@ class FakeTransport(Transport):
         self.refuse: Exception | None = None
         self.released: list[str] = []
         self.staged: list[list[int]] = []
+        self.forgotten: list[Peer] = []
+        self.connects = 0
 
     def connect(self, host, port):
+        self.connects += 1
         if self.refuse:
             raise self.refuse
         return Peer(host, port, self.engine_id, "agent", 100, self.block_size, {})
 
     def forget(self, peer):
-        pass
+        self.forgotten.append(peer)
 
     def read(self, peer, local_ids, remote_ids, notif):
         h = SimpleNamespace(local=local_ids, remote=remote_ids, notif=notif, state="PROC")
@@ -101,6 +104,13 @@ def admit(conn: PDConnector, blocks: list[int], cached_tokens: int = 0, prompt_l
     remote = conn.on_new_request("d1", decode_params(**overrides), prompt_len)
     assert remote == RemotePrefill(True, FIRST if "first_token_id" not in overrides else None)
     return conn.start_loads([Load("d1", blocks, cached_tokens)])
+
+
+def wait_for(cond, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def settle(conn: PDConnector) -> KVConnectorOutput:
@@ -189,12 +199,32 @@ def test_failed_read_applies_policy(policy):
     settle(conn)
     transport.reads[0].state = "ERR"
     out = conn.poll()
-    assert conn.metrics.num_failures == 1 and b"done:p1" in transport.sent
+    # The peer may be gone or started again (a new agent): released over the side channel.
+    wait_for(lambda: transport.released == ["p1"])
+    assert conn.metrics.num_failures == 1 and b"done:p1" not in transport.sent
     if policy == "recompute":
         assert out == KVConnectorOutput(recompute=["d1"])
     else:
         assert list(out.failed) == ["d1"] and "failed" in out.failed["d1"]
         assert not out.recompute and not out.free_blocks  # the engine frees its blocks
+
+
+def test_a_peer_whose_read_failed_is_forgotten_and_handshaken_afresh():
+    """A prefill restarted at the same address (same engine id, a new NIXL agent): the
+    stale agent is dropped after the failed READ; the next request handshakes again."""
+    conn, transport = make()
+    admit(conn, [0, 1, 2])
+    settle(conn)
+    peer = conn.consumer.peers[("127.0.0.1", 5600)]
+    transport.reads[0].state = "ERR"
+    assert conn.poll().recompute == ["d1"]
+    assert transport.forgotten == [peer] and not conn.consumer.peers
+    conn.on_new_request("d2", decode_params(remote_request_id="p2"), 10)
+    conn.start_loads([Load("d2", [3, 4, 5], 0)])
+    settle(conn)
+    assert transport.connects == 2 and len(transport.reads) == 2
+    transport.reads[1].state = "DONE"
+    assert conn.poll().loaded == ["d2"]
 
 
 def test_failed_read_of_an_ended_request_gives_its_blocks_back():

@@ -1,11 +1,12 @@
-"""Batched sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds,
-logprobs and top logprobs."""
+"""Batched sampling: grammar masks, penalties, greedy, temperature, top-k, top-p,
+per-request seeds, logprobs and top logprobs."""
 
 from __future__ import annotations
 
 import torch
 
 from pdserve.engine.request import Request, TopLogprobs
+from pdserve.engine.structured import mask_logits
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
 NUCLEUS_WIDTH = 64  # top-p looks for its tokens among this many likeliest first
@@ -24,6 +25,11 @@ class Sampler:
         are of the raw distribution, before penalties, temperature and truncation (vLLM's
         default), so they describe the model, not the request's sampling."""
         raw = torch.log_softmax(logits, -1)
+        # Grammar masks come first: penalties, temperature and truncation then act on the
+        # allowed tokens only, and greedy picks the likeliest allowed one. The logprobs above
+        # stay the raw model's, as for any other request.
+        if constrained := [i for i, r in enumerate(reqs) if r.matcher is not None]:
+            mask_logits(logits, constrained, [reqs[i].matcher for i in constrained])
         logits = apply_penalties(logits, reqs)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(rows) == len(reqs):  # no row copies: every request samples

@@ -1,6 +1,7 @@
 """Structured output: what a request's text must match (a JSON schema, a regex, a choice of
 strings or an EBNF grammar), compiled by xgrammar once per distinct spec, a matcher per
-request that follows its tokens, and the token bitmask the sampler applies to the logits.
+request that follows its tokens, and the token bitmask of a batch's constrained rows (the
+sampler applies it).
 
 xgrammar is imported on first use, not with the engine: it imports transformers, which
 costs a second or more that a server without constrained requests should not pay at start."""
@@ -14,7 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:  # request.py imports the spec: it must not pull in torch or a tokenizer
+# request.py imports the spec, and the proxy request.py: no torch or tokenizer at import.
+if TYPE_CHECKING:
     import torch
     import xgrammar
 
@@ -118,17 +120,14 @@ def _batch() -> xgrammar.BatchGrammarMatcher:
     return _xgr().BatchGrammarMatcher(max_threads=1)
 
 
-def mask_logits(logits: torch.Tensor, rows: list[int],
-                matchers: list[xgrammar.GrammarMatcher]) -> None:
-    """Set to -inf, in place, every token of logits[rows[i]] that matchers[i] forbids now:
-    one int32 bitmask [B, ceil(vocab/32)], filled for the constrained rows in one call and
-    applied in one kernel call. Ids the tokenizer lacks (a model's vocabulary may be padded
-    past it) are never allowed: the grammar's vocabulary is the model's."""
-    xgr = _xgr()
-    vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
-    _batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """One int32 bitmask [len(matchers), ceil(vocab/32)], filled in one call: bit j of row i
+    says whether matchers[i] allows token j now. Ids the tokenizer lacks (a model's
+    vocabulary may be padded past it) are never allowed: the grammar's vocabulary is the
+    model's."""
+    bitmask = _xgr().allocate_token_bitmask(len(matchers), vocab_size)
+    _batch().batch_fill_next_token_bitmask(matchers, bitmask)
+    return bitmask
 
 
 def _xgr():

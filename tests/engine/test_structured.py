@@ -84,7 +84,7 @@ def test_unconstrained_batches_do_no_mask_work(monkeypatch):
     def fail(*_):
         raise AssertionError("masked an unconstrained batch")
 
-    monkeypatch.setattr(sampler_module, "mask_logits", fail)
+    monkeypatch.setattr(sampler_module, "fill_bitmask", fail)
     tokens, _, _ = Sampler().sample(torch.randn(4, 100), [Request("r", [1], greedy(1))] * 4)
     assert len(tokens) == 4
 

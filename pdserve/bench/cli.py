@@ -11,6 +11,7 @@ BENCHMARKS = {
     "offline": "engine throughput vs HF transformers (nano-vllm style)",
     "peer": "pdserve vs vLLM-CPU in one run: long prefills, 64 at once, serving",
     "serve": "online serving load (vllm bench serve style) against an OpenAI API",
+    "structured": "the sampler's step with N grammar-constrained rows vs N free ones",
     "transfer": "KV pull rate over NIXL vs memcpy",
 }
 

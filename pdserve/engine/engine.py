@@ -19,6 +19,7 @@ from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, Status, TopLogprobs
 from pdserve.engine.scheduler import Schedule, Scheduler
+from pdserve.engine.structured import GrammarError, Grammars
 from pdserve.kv_transfer.interface import KVConnector, KVConnectorOutput, Load
 from pdserve.kv_transfer.params import FirstToken
 from pdserve.model.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class LLMEngine:
         self.metrics.blocks_total.set(self.allocator.num_blocks)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
+        self.grammars = Grammars(tokenizer, runner.model.config.vocab_size)
         self.last_step_computed = False  # did the last step run the model?
         self.last_step_prefilled = False  # ... on prompt tokens (not only decodes)?
         self._update_gauges()
@@ -75,6 +77,13 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, req: Request) -> list[RequestOutput]:
+        if req.params.grammar is not None:
+            try:  # the API server compiled it already: found in the cache (or this rank's)
+                req.matcher = self.grammars.matcher(req.params.grammar)
+            except GrammarError as e:
+                req.finish_reason, req.error = "error", f"invalid structured output: {e}"
+                return [RequestOutput(req.request_id, [], [], "", req.num_prompt_tokens, 0,
+                                      req.finish_reason, req.error)]
         self.requests[req.request_id] = req
         self.detok[req.request_id] = Detokenizer(self.tokenizer, req.params.stop)
         outputs: list[RequestOutput] = []
@@ -193,10 +202,22 @@ class LLMEngine:
         req.last_token_time = now
         self.metrics.generation_tokens.inc()
         stopped = self.detok[req.request_id].add(token)
-        reason = self._finish_reason(req, token, stopped)
+        reason = self._grammar_reason(req, token) or self._finish_reason(req, token, stopped)
         if reason is not None:
             self._finish(req, reason)
         return self._output(req, [token], [logprob], req.output_top_logprobs[-1:])
+
+    def _grammar_reason(self, req: Request, token: int) -> str | None:
+        """Advance the request's grammar with its new token (a remote prefill's first token
+        too, so a decode's matcher starts where the prefill's stopped): "stop" once the
+        grammar is complete, "error" for a token it refuses (a prefill that did not apply
+        the constraint)."""
+        if req.matcher is None:
+            return None
+        if not req.matcher.accept_token(token):
+            req.error = f"token {token} does not follow the request's structured output"
+            return "error"
+        return "stop" if req.matcher.is_terminated() else None
 
     def _finish_reason(self, req: Request, token: int, stopped: bool) -> str | None:
         p = req.params

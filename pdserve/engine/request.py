@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
+from pdserve.engine.structured import GrammarSpec
 from pdserve.kv_transfer.params import KVParams, TopLogprobs
 
 
@@ -25,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens
+    grammar: GrammarSpec | None = None  # structured output: what the text must match
 
     @property
     def penalised(self) -> bool:
@@ -66,6 +68,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     penalty_prompt_ids: Any = None  # the sampler's: its prompt's distinct ids, as a tensor
+    matcher: Any = None  # its grammar's state (an xgrammar GrammarMatcher), made by the engine
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:  # a step of zero tokens would fail its whole batch

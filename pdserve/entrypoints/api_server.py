@@ -19,6 +19,8 @@ from starlette.background import BackgroundTask
 from pdserve.engine.async_engine import StreamingClient
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput
+from pdserve.engine.structured import GrammarError, Grammars, GrammarSpec
+from pdserve.entrypoints import tools
 from pdserve.entrypoints.admission import Admission, Ticket
 from pdserve.entrypoints.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from pdserve.entrypoints.disconnect import disconnected
@@ -52,6 +54,9 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
+    # Structured output's compiler: the engine's own where it runs in this process, so what
+    # a handler compiles the engine then finds in the cache.
+    grammars: Grammars
     validate_kv_params: Callable[[KVParams, int], None] | None = None
     kv_info: Callable[[], list[dict[str, Any]]] | None = None
     api_key: str | None = None
@@ -111,8 +116,9 @@ def build_app(state: ServerState) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported: pdserve does not "
                                  "compute prompt logprobs; drop one of them")
+        grammar = await _grammar(state, body)
         ids = await _encode(state, prompt) if isinstance(prompt, str) else prompt
-        reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
+        reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw, grammar)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
             state.tokenizer.decode(ids)
         fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo)
@@ -120,19 +126,39 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        grammar = await _grammar(state, body)
+        messages = [m.for_template() for m in body.messages]
+        offered = body.tool_dicts() if body.tool_mode() != "none" else None
+        if offered and not state.tokenizer.template_takes_tools:
+            messages = tools.prompt_messages(messages, offered)
         try:
-            text = state.tokenizer.apply_chat_template(messages)
+            text = state.tokenizer.apply_chat_template(messages, offered)
         except ValueError as e:
             raise HTTPError(400, f"cannot apply the chat template: {e}") from None
         ids = await _encode(state, text)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
-        reqs = _engine_requests(state, body, ids, max_tokens, raw)
+        reqs = _engine_requests(state, body, ids, max_tokens, raw, grammar)
         fmt = ChatFormat(state.names[0], state.tokenizer, reqs, body)
         return await _respond(state, reqs, body, raw, fmt)
 
     return app
+
+
+async def _grammar(state: ServerState, body: _Body) -> GrammarSpec | None:
+    """The request's structured-output spec, compiled here (off the event loop, and before
+    the engine sees it, so a large schema stalls no batch) or refused with a 400."""
+    try:
+        spec = body.grammar()
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+    if spec is None:
+        return None
+    try:
+        await asyncio.to_thread(state.grammars.compile, spec)
+    except GrammarError as e:
+        raise HTTPError(400, f"invalid structured output ({spec.kind}): {e}") from None
+    return spec
 
 
 async def _encode(state: ServerState, text: str) -> list[int]:
@@ -153,7 +179,7 @@ async def _encode(state: ServerState, text: str) -> list[int]:
 
 
 def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
-                     raw: Request) -> list[EngineRequest]:
+                     raw: Request, grammar: GrammarSpec | None) -> list[EngineRequest]:
     """One engine request per choice."""
     if body.model and body.model not in state.names:
         raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
@@ -174,7 +200,7 @@ def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens
     # names it) plus a suffix: one server may see the same id twice (prefill and decode,
     # or the choices of n).
     return [EngineRequest(f"{request_id(raw)}-{uuid.uuid4().hex[:8]}", ids,
-                          body.sampling_params(max_tokens, i), params)
+                          body.sampling_params(max_tokens, i, grammar), params)
             for i in range(body.n)]
 
 

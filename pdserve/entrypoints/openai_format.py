@@ -9,7 +9,9 @@ from typing import Any
 
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestOutput, TopLogprobs
-from pdserve.entrypoints.protocol import _Body
+from pdserve.entrypoints import tools
+from pdserve.entrypoints.protocol import ChatCompletionRequest, _Body
+from pdserve.entrypoints.tools import ToolCall
 from pdserve.model.tokenizer import Tokenizer
 
 
@@ -23,6 +25,7 @@ class Choice:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False  # its first chunk went out (role, echo)
+    sent: int = 0  # chat with tools: characters of `text` streamed as content so far
 
 
 class ResponseFormat:
@@ -127,6 +130,11 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer: Tokenizer, reqs: list[EngineRequest],
+                 body: ChatCompletionRequest) -> None:
+        super().__init__(model, tokenizer, reqs, body)
+        self.tool_mode, self.tool_names = body.tool_mode(), body.tool_names
+
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -141,14 +149,41 @@ class ChatFormat(ResponseFormat):
                                                   strict=True)]}
 
     def delta(self, c: Choice, out: RequestOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": out.text}
+        content, calls = (out.text, []) if self.tool_mode == "none" else \
+            self._tool_delta(c, out.finished)
+        delta: dict[str, Any] = {"content": content}
         if not c.started:
             delta["role"] = "assistant"
-        return {"index": c.index, "delta": delta, "finish_reason": out.finish_reason,
+        if calls:
+            delta["tool_calls"] = [call.to_dict(i) for i, call in enumerate(calls)]
+        return {"index": c.index, "delta": delta,
+                "finish_reason": "tool_calls" if calls else out.finish_reason,
                 "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs,
                                            out.new_top_logprobs)}
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        return {"index": c.index, "finish_reason": c.finish_reason,
-                "message": {"role": "assistant", "content": c.text},
+        content, calls = self._parsed(c)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_dict() for call in calls]
+        return {"index": c.index, "finish_reason": "tool_calls" if calls else c.finish_reason,
+                "message": message,
                 "logprobs": self._logprobs(c.tokens, c.logprobs, c.top_logprobs)}
+
+    def _parsed(self, c: Choice) -> tuple[str | None, list[ToolCall]]:
+        """A choice's content and tool calls, once it has ended."""
+        if self.tool_mode == "none" or c.finish_reason not in ("stop", "length"):
+            return c.text, []
+        return tools.parse(c.text, self.tool_mode, self.tool_names)
+
+    def _tool_delta(self, c: Choice, final: bool) -> tuple[str, list[ToolCall]]:
+        """What a stream chunk carries when tools are offered: content up to where a call
+        may begin (none while a call is enforced), and at the end the rest or the calls."""
+        if final:
+            content, calls = self._parsed(c)
+            rest = (content or "")[c.sent:] if calls else c.text[c.sent:]
+            return rest, calls
+        cut = tools.streamable(c.text) if self.tool_mode == "auto" else 0
+        new = c.text[c.sent:max(cut, c.sent)]
+        c.sent += len(new)
+        return new, []

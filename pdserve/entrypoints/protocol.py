@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies (plus vLLM's extensions: kv_transfer_params, top_k,
-ignore_eos, stop_token_ids), the error body, and the HTTP rules server and proxy share
-(request ids, API keys)."""
+ignore_eos, stop_token_ids, structured_outputs), the error body, and the HTTP rules server
+and proxy share (request ids, API keys)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,82 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.structured import GrammarSpec
+from pdserve.entrypoints import tools
 
 MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default max_logprobs
 MAX_N = 128  # choices per request, as OpenAI's
 # A request id goes into backends' headers, response headers and log lines: printable
 # ASCII only, and not too long to read.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; the output follows it, strict or not.
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(BaseModel):
+    """OpenAI's response_format."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatParam:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+    def spec(self) -> GrammarSpec | None:
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        return GrammarSpec.json_schema(self.json_schema.json_schema) if self.json_schema \
+            else None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+    model_config = ConfigDict(extra="forbid")  # an option we do not apply must not pass
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar; got {len(given)}")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec.choices(self.choice)
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar)
+        schema = self.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        return GrammarSpec.json_schema(schema)
 
 
 class _Body(BaseModel):
@@ -43,6 +110,8 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     request_timeout: float | None = Field(default=None, gt=0)  # s; pdserve's extension
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -51,7 +120,15 @@ class _Body(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
-    def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match, if anything; ValueError for a contradiction."""
+        fmt = self.response_format.spec() if self.response_format else None
+        if fmt is not None and self.structured_outputs is not None:
+            raise ValueError("send response_format or structured_outputs, not both")
+        return self.structured_outputs.spec() if self.structured_outputs else fmt
+
+    def sampling_params(self, max_tokens: int, index: int = 0,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         """Choice `index`'s parameters: with a seed, choice i draws from seed + i (as vLLM),
         so each choice is its own reproducible stream."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -65,7 +142,7 @@ class _Body(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, top_logprobs=top, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            repetition_penalty=self.repetition_penalty, grammar=grammar)
 
     def logprobs_asked(self) -> tuple[bool, int]:
         """(the chosen tokens' logprobs?, how many top logprobs per position)"""
@@ -106,12 +183,76 @@ class ChatMessage(BaseModel):
             return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool calls and results keep their ids."""
+        extra = {k: v for k, v in (self.model_extra or {}).items()
+                 if k in ("tool_calls", "tool_call_id", "name") and v is not None}
+        return {"role": self.role, "content": self.text(), **extra}
+
+
+class Function(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and \
+                choice.function.name not in self.tool_names:
+            raise ValueError(f"tool_choice names function `{choice.function.name}`, which is "
+                             "not among the tools")
+        return self
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    def tool_mode(self) -> str | dict[str, Any]:
+        """"none" (no tools), "auto", "required" or a named choice as a dict: OpenAI's
+        default is auto where tools are given."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    def grammar(self) -> GrammarSpec | None:
+        spec = super().grammar()
+        tool = tools.grammar(self.tool_dicts(), self.tool_mode())
+        if spec is not None and tool is not None:
+            raise ValueError("a required or named tool_choice cannot be combined with "
+                             "response_format or structured_outputs")
+        return tool or spec
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @field_validator("top_logprobs")
     @classmethod

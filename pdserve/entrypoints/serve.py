@@ -168,32 +168,38 @@ def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     registry = CollectorRegistry()
     engine = build_engine(cfg, kv, registry,
                           side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
-    return _state(args, cfg, kv, AsyncEngine(engine, registry), engine.tokenizer)
+    # One compile cache for the handlers and the engine.
+    return _state(args, cfg, kv, AsyncEngine(engine, registry), engine.tokenizer,
+                  engine.grammars)
 
 
 def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from pdserve.engine.dp_engine import DPEngine
+    from pdserve.engine.structured import Grammars
     from pdserve.model import loader
     from pdserve.model.llama import ModelConfig
     from pdserve.model.tokenizer import Tokenizer
 
     folder = loader.resolve(cfg.model)  # converts a GGUF once, before the ranks start
-    tokenizer = Tokenizer.from_folder(folder,
-                                      list(ModelConfig.from_folder(folder).eos_token_ids))
+    model = ModelConfig.from_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder, list(model.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores
         cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size
                               // cfg.tensor_parallel_size)
     side = (args.kv_side_channel_host, args.kv_side_channel_port)
-    return _state(args, cfg, kv, DPEngine(cfg, kv, args.data_parallel_size, side), tokenizer)
+    # Checks specs before they reach a rank; each rank compiles (once) in its own process.
+    return _state(args, cfg, kv, DPEngine(cfg, kv, args.data_parallel_size, side), tokenizer,
+                  Grammars(tokenizer, model.vocab_size))
 
 
-def _state(args, cfg: EngineConfig, kv: KVTransferConfig | None, engine, tokenizer):
+def _state(args, cfg: EngineConfig, kv: KVTransferConfig | None, engine, tokenizer,
+           grammars):
     from pdserve.entrypoints.api_server import ServerState
     from pdserve.kv_transfer.params import ParamsValidator
     from pdserve.model.loader import model_name
 
     validate = ParamsValidator.of(kv, cfg.block_size, tokenizer.vocab_size,
                                   args.kv_side_channel_host) if kv is not None else None
-    return ServerState(engine, tokenizer, model_name(cfg.model), cfg.max_model_len,
+    return ServerState(engine, tokenizer, model_name(cfg.model), cfg.max_model_len, grammars,
                        validate_kv_params=validate, kv_info=engine.kv_info if kv else None,
                        api_key=args.api_key, served_model_names=args.served_model_name or [])

@@ -21,6 +21,7 @@ class Tokenizer:
     chat_template: jinja2.Template | None
     special: dict[str, str]  # bos_token / eos_token strings for the template
     max_token_chars: int = 0  # the most characters one token can stand for
+    template_source: str = ""
 
     @classmethod
     def from_folder(cls, folder: Path, eos_ids: list[int]) -> Tokenizer:
@@ -43,7 +44,8 @@ class Tokenizer:
         # A vocabulary entry's length in its own alphabet (byte-level BPE: a byte a character)
         # bounds the text characters the token decodes to.
         longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
-        return cls(backend, frozenset(eos), template, special, longest)
+        return cls(backend, frozenset(eos), template, special, longest,
+                   source if isinstance(source, str) else "")
 
     @property
     def vocab_size(self) -> int:
@@ -55,11 +57,16 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self.chat_template.render(messages=messages, add_generation_prompt=True,
-                                         **self.special)
+        return self.chat_template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=True, **self.special)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (SmolLM2's does not)."""
+        return self.chat_template is not None and "tools" in self.template_source
 
 
 def _token_str(value: object) -> str:

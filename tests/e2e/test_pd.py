@@ -4,6 +4,7 @@ token-identical greedy output, the KV really moved, nothing leaked."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -334,3 +335,36 @@ def test_bad_sampling_values_are_400_through_the_proxy(setup):
     r = httpx.post(up.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2},
                    timeout=60)
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]  # still serving
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "population": {"type": "integer", "minimum": 0,
+                                                        "maximum": 50000000}},
+        "required": ["city", "population"]}
+DISTANCE = r"[A-Z][a-z]+ is [0-9]{1,4} km from [A-Z][a-z]+\."
+CONSTRAINTS = {
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "city", "schema": CITY}}},
+        lambda t: set(json.loads(t)) == set(CITY["properties"])),
+    "regex": ({"structured_outputs": {"regex": DISTANCE}},
+              lambda t: re.fullmatch(DISTANCE, t)),
+}
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+@pytest.mark.parametrize("constraint", CONSTRAINTS)
+def test_structured_output_identical_to_monolithic(setup, constraint):
+    """The prefill samples the first token under the constraint, the decode's matcher starts
+    after it: the disaggregated answer is the monolith's, token for token."""
+    dtype, mono, up, prefill, decode = setup
+    extra, check = CONSTRAINTS[constraint]
+    computed = metric(decode, "pdserve_prompt_tokens_computed_total")
+    for ask, prompt in ((_complete, "A large city and how far it is:"), (_chat, CHATS[1])):
+        want = ask(mono.url, prompt, max_tokens=60, **extra)
+        assert want["finish"] == "stop" and check(want["text"]), want
+        for stream in (False, True):
+            got = ask(up.url, prompt, stream, max_tokens=60, **extra)
+            assert got == want, (constraint, stream)
+    # Every prompt was prefilled on the prefill and its KV pulled: really disaggregated.
+    assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed
+    _assert_pools_whole(prefill, decode)

@@ -16,28 +16,12 @@ import pytest
 
 from pdserve.engine.request import Request
 from pdserve.model.loader import EMBEDDED_NAME
-from tests.utils import free_port, greedy, metric, run_engine, start_server
+from tests.entrypoints.conftest import ALIAS
+from tests.utils import free_port, greedy, metric, run_engine
 
-MAX_MODEL_LEN = 512
-ALIAS = "smol"  # a second --served-model-name
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "You answer briefly."},
         {"role": "user", "content": "Name three colours of the rainbow."}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server(["serve", "--dtype", "float32", "--num-kv-blocks", "256",
-                        "--max-model-len", str(MAX_MODEL_LEN),
-                        "--served-model-name", EMBEDDED_NAME, ALIAS])
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
 
 
 def _engine_greedy(engine, ids: list[int], max_tokens: int):

@@ -10,6 +10,18 @@ from pdserve.entrypoints.protocol import error_body
 DEFAULT_MAX_BYTES = 8 * 2**20
 
 
+def add_body_limit_arg(p) -> None:
+    """--max-request-bytes, as the server and the proxy take it."""
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="larger request bodies get 413 before they are parsed "
+                        "(default %(default)s: 8 MiB)")
+
+
+def check_body_limit(max_bytes: int) -> str | None:
+    """What is wrong with a --max-request-bytes value, if anything."""
+    return None if max_bytes >= 1 else f"--max-request-bytes must be positive, got {max_bytes}"
+
+
 class BodyLimit:
     """ASGI middleware: reads a request's body (counting, as a chunked one has no length)
     and hands it on whole, or answers 413."""

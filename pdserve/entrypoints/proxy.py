@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.entrypoints.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.pd_flow import Proxy, answer, request_log
 from pdserve.entrypoints.protocol import error_response, require_api_key, valid_request_id
@@ -23,7 +24,7 @@ from pdserve.entrypoints.proxy_metrics import outcome
 from pdserve.entrypoints.routing import poll_queues
 
 
-def build_app(proxy: Proxy) -> FastAPI:
+def build_app(proxy: Proxy, max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         poll = proxy.disagg.max_prefill_queue is not None
@@ -35,6 +36,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
 
     require_api_key(app, proxy.api_key)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -10,6 +10,7 @@ import os
 import httpx
 
 from pdserve.config import ConfigError
+from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 from pdserve.entrypoints.pd_flow import Proxy
 from pdserve.entrypoints.proxy import build_app
 from pdserve.entrypoints.routing import (
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
     add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--backend-api-key", default=None, help="default: --api-key")
+    add_body_limit_arg(p)
     p.set_defaults(run=run)
 
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.model.loader import ModelLoadError
 
-    if problem := check_routing_args(args):
+    if problem := check_routing_args(args) or check_body_limit(args.max_request_bytes):
         raise ConfigError(problem)
 
     def pool(name: str, urls: list[str]) -> Pool:
@@ -63,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
                   prompt_tokens, args.prefix_tokens)
     log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s", args.host,
              args.port, " ".join(args.prefill), " ".join(args.decode), args.policy, proxy.disagg)
-    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(proxy, args.max_request_bytes), host=args.host, port=args.port,
+                log_level="warning")
     return 0

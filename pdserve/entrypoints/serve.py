@@ -12,7 +12,7 @@ import os
 import sys
 
 from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
-from pdserve.entrypoints.body_limit import DEFAULT_MAX_BYTES
+from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 
 log = logging.getLogger("pdserve.serve")
 
@@ -50,9 +50,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is aborted with a 504 "
                         "(default: no limit; a request may ask for less: request_timeout)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help="larger request bodies get 413 before they are parsed "
-                        "(default %(default)s: 8 MiB)")
+    add_body_limit_arg(p)
     p.add_argument("--drain-timeout", type=float, default=30,
                    help="on SIGTERM, seconds running requests get to finish before they are "
                         "aborted (default %(default)s)")
@@ -63,8 +61,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError(f"--request-timeout must be positive, got {args.request_timeout}")
-    if args.max_request_bytes < 1:
-        raise ConfigError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    if problem := check_body_limit(args.max_request_bytes):
+        raise ConfigError(problem)
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
 

@@ -115,6 +115,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str], boards: str | None = 
     decodes = [i.url for i in out if i.name.startswith("decode")]
     proxy = [sys.executable, "-m", "pdserve.entrypoints.cli", "proxy", "--host", args.host,
              "--port", str(args.port), *routing_argv(args),
+             "--max-request-bytes", str(args.max_request_bytes),
              "--prefill", *prefills, "--decode", *decodes]
     if args.api_key:
         proxy += ["--api-key", args.api_key]

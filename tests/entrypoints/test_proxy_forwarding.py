@@ -117,3 +117,22 @@ def test_a_draining_backend_is_passed_over():
         server.stop()
         ok.shutdown()
         drain.shutdown()
+
+
+def test_a_body_over_the_limit_is_a_413_and_reaches_no_backend():
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), _Backend)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{backend.server_address[1]}"
+    proxy = start_server(["proxy", "--prefill", url, "--decode", url,
+                          "--max-request-bytes", "1000"])
+    try:
+        _Backend.seen.clear()
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x" * 2000},
+                       timeout=30)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        assert not _Backend.seen
+        ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
+        assert ok.status_code == 200 and len(_Backend.seen) == 2
+    finally:
+        proxy.stop()
+        backend.shutdown()

@@ -108,14 +108,12 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = body.single_prompt()
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        if body.echo and body.logprobs is not None:
-            raise HTTPError(400, "echo with logprobs is not supported: pdserve does not "
-                                 "compute prompt logprobs; drop one of them")
         ids = await _encode(state, prompt) if isinstance(prompt, str) else prompt
-        reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw)
+        reqs = _engine_requests(state, body, ids, body.generated_tokens, raw)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
             state.tokenizer.decode(ids)
-        fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo)
+        fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo,
+                               prompt_only=body.max_tokens == 0)
         return await _respond(state, reqs, body, raw, fmt)
 
     @app.post("/v1/chat/completions")

@@ -26,7 +26,10 @@ from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _Body,
     error_body,
     require_api_key,
@@ -118,22 +121,55 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = state.tokenizer.apply_chat_template(messages)
-        except ValueError as e:
-            raise HTTPError(400, f"cannot apply the chat template: {e}") from None
-        ids = await _encode(state, text)
+        ids = await _encode(state, _chat_text(state, body.messages))
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
         reqs = _engine_requests(state, body, ids, max_tokens, raw)
         fmt = ChatFormat(state.names[0], state.tokenizer, reqs, body)
         return await _respond(state, reqs, body, raw, fmt)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        text = body.prompt if body.messages is None else \
+            _chat_text(state, body.messages, body.add_generation_prompt)
+        ids = await _encode(state, text, body.special_tokens)
+        answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = state.tokenizer.token_strs(ids)
+        return answer
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        _check_ids(state, body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
     return app
 
 
-async def _encode(state: ServerState, text: str) -> list[int]:
+def _chat_text(state: ServerState, messages: list[ChatMessage],
+               add_generation_prompt: bool = True) -> str:
+    """The prompt the chat template makes of `messages`."""
+    try:
+        return state.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
+    except ValueError as e:
+        raise HTTPError(400, f"cannot apply the chat template: {e}") from None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model and model not in state.names:
+        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def _check_ids(state: ServerState, ids: list[int], what: str) -> None:
+    if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
+        raise HTTPError(400, f"{what} must be in [0, {state.tokenizer.vocab_size})")
+
+
+async def _encode(state: ServerState, text: str, add_special_tokens: bool = True
+                  ) -> list[int]:
     """Token ids of a prompt, tokenized off the event loop (a long prompt takes seconds,
     which /health and every stream would otherwise wait out)."""
     # No token covers more characters than the vocabulary's longest, so a text longer than
@@ -147,19 +183,16 @@ async def _encode(state: ServerState, text: str) -> list[int]:
     except UnicodeEncodeError as e:
         raise HTTPError(400, f"the prompt is not valid Unicode: {e.reason} at "
                              f"position {e.start}") from None
-    return await asyncio.to_thread(state.tokenizer.encode, text)
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
 
 
 def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
                      raw: Request) -> list[EngineRequest]:
     """One engine request per choice."""
-    if body.model and body.model not in state.names:
-        raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
-                        "model")
+    _check_model(state, body.model)
     if not ids:  # some text (a lone control character, say) has no tokens at all
         raise HTTPError(400, "the prompt is empty once tokenized: it has no tokens")
-    if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
-        raise HTTPError(400, f"prompt token ids must be in [0, {state.tokenizer.vocab_size})")
+    _check_ids(state, ids, "prompt token ids")
     if len(ids) + max_tokens > state.max_model_len:
         raise HTTPError(400, f"This model's maximum context length is {state.max_model_len} "
                              f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in "

@@ -164,6 +164,37 @@ class ChatCompletionRequest(_Body):
         return self.logprobs, self.top_logprobs or 0
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    # vLLM's defaults: a prompt's special tokens are added, the chat template writes its own.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either `prompt` or `messages`")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None \
+            else self.add_special_tokens
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, code: int, kind: str = "invalid_request_error",
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

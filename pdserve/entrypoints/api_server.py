@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,6 +237,16 @@ def _release(state: ServerState, p: KVParams | None) -> None:
         asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
 
 
+def _release_refused(state: ServerState, body: Any) -> None:
+    """A body refused before it is read may name a prefill's KV (a decode may refuse what a
+    prefill took: the proxy sends the prefill `stream: false`): let the prefill free it."""
+    given = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    if isinstance(given, dict):
+        with suppress(ValueError, TypeError):
+            _release(state, KVParams.from_dict({k: v for k, v in given.items()
+                                                if v is not None}))
+
+
 def request_id(raw: Request) -> str:
     """The client's X-Request-Id, or one made up for this request (echoed in the answer)."""
     if not hasattr(raw.state, "request_id"):
@@ -360,6 +371,7 @@ async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:
 
 
 async def _validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
+    _release_refused(raw.app.state.pd, exc.body)
     parts = []
     for err in exc.errors():
         if err.get("type") == "json_invalid":

@@ -373,6 +373,11 @@ def test_prompt_logprobs_identical_to_monolithic(setup):
                                                                "temperature": 0}, True),
                   "streamed echo")
     assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed
+    # Streamed, vLLM's field is refused by the decode only (the prefill is sent no stream):
+    # the decode tells the prefill to free the prompt's blocks (a lease would hold them 30 s).
+    r = httpx.post(up.url + "/v1/completions", json={
+        "model": MODEL, "prompt": LONG, "prompt_logprobs": 1, "stream": True}, timeout=60)
+    assert r.status_code == 400 and "stream=True" in r.json()["error"]["message"], r.text
     _assert_pools_whole(prefill, decode)
 
 

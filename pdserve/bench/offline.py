@@ -64,6 +64,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", default="512",
                    help="prompt lengths for the lone-prefill timing ('' to skip)")
     p.add_argument("--prefill-runs", type=int, default=5)
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="the lone prefills also score their prompt (top K per position)")
     return p.parse_args(argv)
 
 
@@ -150,7 +152,8 @@ def prefill_ms(engine: LLMEngine, args: argparse.Namespace, tokens: int) -> floa
     for i in range(args.prefill_runs):
         req = Request(f"prefill{tokens}-{i}", [rng.randint(0, MAX_TOKEN_ID)
                                                for _ in range(tokens)],
-                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                     prompt_logprobs=args.prompt_logprobs))
         engine.add_request(req)
         start = time.perf_counter()
         while engine.has_work():

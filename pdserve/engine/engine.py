@@ -91,8 +91,13 @@ class LLMEngine:
             req.request_id, req.kv_transfer_params, req.num_prompt_tokens) \
             if self.connector is not None else None
         if remote is not None:
-            req.load_remote = remote.load
-            if (first := remote.first_token) is not None:  # emitted before any pull
+            first = remote.first_token
+            if first is not None and first.prompt_logprobs is not None:
+                req.prompt_logprobs = first.prompt_logprobs
+            # A prefill that sent no prompt logprobs asked for (vLLM's) leaves them to be
+            # computed here: from the prompt, not from pulled KV.
+            req.load_remote = remote.load and not req.needs_prompt_logprobs
+            if first is not None:  # emitted before any pull
                 outputs.append(self._append(req, first.token_id, first.logprob,
                                             time.monotonic(), first.top_logprobs))
         if not req.finished:
@@ -205,7 +210,10 @@ class LLMEngine:
         reason = self._grammar_reason(req, token) or self._finish_reason(req, token, stopped)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token], [logprob], req.output_top_logprobs[-1:])
+        out = self._output(req, [token], [logprob], req.output_top_logprobs[-1:])
+        if req.num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
+        return out
 
     def _grammar_reason(self, req: Request, token: int) -> str | None:
         """Advance the request's grammar with its new token (a remote prefill's first token
@@ -239,7 +247,9 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
         if self.connector is not None:
             first = FirstToken(req.output_token_ids[0], req.output_logprobs[0],
-                               (req.output_top_logprobs or [[]])[0]) \
+                               (req.output_top_logprobs or [[]])[0],
+                               req.prompt_logprobs if req.params.prompt_logprobs is not None
+                               else None) \
                 if reason in ("stop", "length") and req.num_output_tokens else None
             kept, req.response_kv_params = self.connector.request_finished(
                 req.request_id, req.kv_transfer_params, req.block_ids, first)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.prompt_logprobs import PromptSpan, score, span
 from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.model.kv_cache import KVCache
@@ -32,15 +33,20 @@ class ModelRunner:
     def run(self, items: list[tuple[Request, int]]
             ) -> tuple[list[Request], list[int], list[float], list[TopLogprobs]]:
         """Compute the scheduled tokens; sample for requests whose known tokens are all
-        computed now. Returns (sampled requests, their tokens, logprobs, top logprobs)."""
-        batch, sampled = self.prepare(items)
+        computed now. Returns (sampled requests, their tokens, logprobs, top logprobs).
+        Prefill chunks of requests asking for prompt logprobs append them to the request."""
+        batch, sampled, spans = self.prepare(items)
         logits = self.model.forward(batch.to(self.cache.tensor.device), self.cache)
+        score(logits[len(sampled):], spans)  # on the device: only the scores come back
         if not sampled:
             return [], [], [], []
         # Sampling runs on the host: per-request seeded generators are CPU generators.
-        return sampled, *self.sampler.sample(logits.cpu(), sampled)
+        return sampled, *self.sampler.sample(logits[:len(sampled)].cpu(), sampled)
 
-    def prepare(self, items: list[tuple[Request, int]]) -> tuple[Batch, list[Request]]:
+    def prepare(self, items: list[tuple[Request, int]]
+                ) -> tuple[Batch, list[Request], list[PromptSpan]]:
+        """The flat batch; the requests it samples for (their logits rows first, in this
+        order), and the prompt spans it scores (their rows next)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -49,6 +55,7 @@ class ModelRunner:
         sampled: list[Request] = []
         decodes: list[tuple[int, Request]] = []
         chunks: list[Chunk] = []
+        spans: list[PromptSpan] = []
         for req, n in items:
             start, flat = req.num_computed_tokens, len(ids)
             pos = range(start, start + n)
@@ -63,12 +70,17 @@ class ModelRunner:
             if start + n == len(req.token_ids):
                 logits_index.append(flat + n - 1)
                 sampled.append(req)
+            if (s := span(req, start, n, flat)) is not None:
+                spans.append(s)
+        # Only requests asking for prompt logprobs add rows: the others cost nothing more.
+        for s in spans:
+            logits_index += range(s.first_row, s.first_row + len(s.targets))
         pos_t = torch.tensor(positions)
         batch = Batch(torch.tensor(ids), pos_t, torch.tensor(blocks), pos_t % bs,
                       torch.tensor(logits_index, dtype=torch.long), chunks=chunks)
         if decodes:
             self._add_decodes(batch, decodes)
-        return batch, sampled
+        return batch, sampled, spans
 
     def _add_decodes(self, batch: Batch, decodes: list[tuple[int, Request]]) -> None:
         bs = self.block_size

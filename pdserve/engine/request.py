@@ -8,7 +8,7 @@ from enum import Enum, auto
 from typing import Any
 
 from pdserve.engine.structured import GrammarSpec
-from pdserve.kv_transfer.params import KVParams, TopLogprobs
+from pdserve.kv_transfer.params import KVParams, PromptLogprob, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # the chosen token's logprob
     top_logprobs: int = 0  # and the k most likely tokens' (needs logprobs)
+    prompt_logprobs: int | None = None  # each prompt token's logprob, and the k likeliest
     presence_penalty: float = 0.0  # OpenAI's: over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens
@@ -57,6 +58,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # if asked for
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # tokens 1.. so far
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -91,6 +93,12 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed (or received) yet."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -105,6 +113,7 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params: KVParams | None = None
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # if asked for
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, if asked for
 
     @property
     def finished(self) -> bool:

@@ -138,7 +138,9 @@ class Scheduler:
     def _take_cached_prefix(self, req: Request) -> int:
         """Start a request without blocks at its longest cached prefix; returns the blocks
         taken, or -1 if nothing was looked up (it had blocks, or caching is off)."""
-        if req.block_ids or not self.allocator.prefix_caching:
+        # Positions served from the cache have no logits: a request still owing prompt
+        # logprobs computes its whole prompt (as vLLM does).
+        if req.block_ids or not self.allocator.prefix_caching or req.needs_prompt_logprobs:
             return -1
         bs = self.config.block_size
         # Only blocks before the first token this request will run: a shared block is

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,10 @@ from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _Body,
     error_body,
     require_api_key,
@@ -113,34 +117,42 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = body.single_prompt()
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        if body.echo and body.logprobs is not None:
-            raise HTTPError(400, "echo with logprobs is not supported: pdserve does not "
-                                 "compute prompt logprobs; drop one of them")
         grammar = await _grammar(state, body)
         ids = await _encode(state, prompt) if isinstance(prompt, str) else prompt
-        reqs = _engine_requests(state, body, ids, body.max_tokens or 16, raw, grammar)
+        reqs = _engine_requests(state, body, ids, body.generated_tokens, raw, grammar)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
             state.tokenizer.decode(ids)
-        fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo)
+        fmt = CompletionFormat(state.names[0], state.tokenizer, reqs, body, echo,
+                               prompt_only=body.max_tokens == 0)
         return await _respond(state, reqs, body, raw, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         grammar = await _grammar(state, body)
-        messages = [m.for_template() for m in body.messages]
         offered = body.tool_dicts() if body.tool_mode() != "none" else None
-        if offered and not state.tokenizer.template_takes_tools:
-            messages = tools.prompt_messages(messages, offered)
-        try:
-            text = state.tokenizer.apply_chat_template(messages, offered)
-        except ValueError as e:
-            raise HTTPError(400, f"cannot apply the chat template: {e}") from None
-        ids = await _encode(state, text)
+        ids = await _encode(state, _chat_text(state, body.messages, offered))
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(state.max_model_len - len(ids), 1)
         reqs = _engine_requests(state, body, ids, max_tokens, raw, grammar)
         fmt = ChatFormat(state.names[0], state.tokenizer, reqs, body)
         return await _respond(state, reqs, body, raw, fmt)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        text = body.prompt if body.messages is None else \
+            _chat_text(state, body.messages, add_generation_prompt=body.add_generation_prompt)
+        ids = await _encode(state, text, body.special_tokens)
+        answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = state.tokenizer.token_strs(ids)
+        return answer
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        _check_ids(state, body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
 
     return app
 
@@ -161,7 +173,31 @@ async def _grammar(state: ServerState, body: _Body) -> GrammarSpec | None:
     return spec
 
 
-async def _encode(state: ServerState, text: str) -> list[int]:
+def _chat_text(state: ServerState, messages: list[ChatMessage],
+               offered: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    """The prompt the chat template makes of `messages` and the tools offered (described
+    in the system message where the template does not render them)."""
+    turns = [m.for_template() for m in messages]
+    if offered and not state.tokenizer.template_takes_tools:
+        turns = tools.prompt_messages(turns, offered)
+    try:
+        return state.tokenizer.apply_chat_template(turns, offered, add_generation_prompt)
+    except ValueError as e:
+        raise HTTPError(400, f"cannot apply the chat template: {e}") from None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model and model not in state.names:
+        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def _check_ids(state: ServerState, ids: list[int], what: str) -> None:
+    if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
+        raise HTTPError(400, f"{what} must be in [0, {state.tokenizer.vocab_size})")
+
+
+async def _encode(state: ServerState, text: str, add_special_tokens: bool = True
+                  ) -> list[int]:
     """Token ids of a prompt, tokenized off the event loop (a long prompt takes seconds,
     which /health and every stream would otherwise wait out)."""
     # No token covers more characters than the vocabulary's longest, so a text longer than
@@ -175,19 +211,16 @@ async def _encode(state: ServerState, text: str) -> list[int]:
     except UnicodeEncodeError as e:
         raise HTTPError(400, f"the prompt is not valid Unicode: {e.reason} at "
                              f"position {e.start}") from None
-    return await asyncio.to_thread(state.tokenizer.encode, text)
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
 
 
 def _engine_requests(state: ServerState, body: _Body, ids: list[int], max_tokens: int,
                      raw: Request, grammar: GrammarSpec | None) -> list[EngineRequest]:
     """One engine request per choice."""
-    if body.model and body.model not in state.names:
-        raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
-                        "model")
+    _check_model(state, body.model)
     if not ids:  # some text (a lone control character, say) has no tokens at all
         raise HTTPError(400, "the prompt is empty once tokenized: it has no tokens")
-    if any(not 0 <= t < state.tokenizer.vocab_size for t in ids):
-        raise HTTPError(400, f"prompt token ids must be in [0, {state.tokenizer.vocab_size})")
+    _check_ids(state, ids, "prompt token ids")
     if len(ids) + max_tokens > state.max_model_len:
         raise HTTPError(400, f"This model's maximum context length is {state.max_model_len} "
                              f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in "
@@ -229,6 +262,16 @@ def _release(state: ServerState, p: KVParams | None) -> None:
     are needed most)."""
     if p is not None and p.do_remote_prefill and state.release_remote is not None:
         asyncio.get_running_loop().run_in_executor(None, state.release_remote, p)
+
+
+def _release_refused(state: ServerState, body: Any) -> None:
+    """A body refused before it is read may name a prefill's KV (a decode may refuse what a
+    prefill took: the proxy sends the prefill `stream: false`): let the prefill free it."""
+    given = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    if isinstance(given, dict):
+        with suppress(ValueError, TypeError):
+            _release(state, KVParams.from_dict({k: v for k, v in given.items()
+                                                if v is not None}))
 
 
 def request_id(raw: Request) -> str:
@@ -351,6 +394,7 @@ async def _http_error(raw: Request, exc: HTTPError) -> JSONResponse:
 
 
 async def _validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
+    _release_refused(raw.app.state.pd, exc.body)
     parts = []
     for err in exc.errors():
         if err.get("type") == "json_invalid":

@@ -112,6 +112,14 @@ class _Body(BaseModel):
     request_timeout: float | None = Field(default=None, gt=0)  # s; pdserve's extension
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -140,13 +148,18 @@ class _Body(BaseModel):
             top_k=min(max(self.top_k, 0), 2**31),
             seed=None if self.seed is None else self.seed + index, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, top_logprobs=top, presence_penalty=self.presence_penalty,
+            logprobs=logprobs, top_logprobs=top, prompt_logprobs=self.prompt_logprobs_asked(),
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, grammar=grammar)
 
     def logprobs_asked(self) -> tuple[bool, int]:
         """(the chosen tokens' logprobs?, how many top logprobs per position)"""
         raise NotImplementedError
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Top logprobs per prompt position, None for no prompt logprobs."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -157,9 +170,30 @@ class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # 0 with echo (vLLM's): the prompt and its logprobs alone, nothing generated.
+    max_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: true, which "
+                             "returns the prompt and its logprobs alone)")
+        return self
 
     def logprobs_asked(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    def prompt_logprobs_asked(self) -> int | None:
+        # echo with logprobs lists the prompt's tokens too (OpenAI's legacy shape)
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def generated_tokens(self) -> int:
+        """max_tokens as the engine runs it: echo with max_tokens 0 samples one token,
+        which the answer leaves out (as vLLM)."""
+        return 1 if self.max_tokens == 0 else self.max_tokens or 16
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -263,6 +297,37 @@ class ChatCompletionRequest(_Body):
 
     def logprobs_asked(self) -> tuple[bool, int]:
         return self.logprobs, self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    # vLLM's defaults: a prompt's special tokens are added, the chat template writes its own.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either `prompt` or `messages`")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None \
+            else self.add_special_tokens
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, code: int, kind: str = "invalid_request_error",

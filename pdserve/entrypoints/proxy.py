@@ -21,7 +21,7 @@ from pdserve.entrypoints.disconnect import disconnected
 from pdserve.entrypoints.pd_flow import Proxy, answer, request_log
 from pdserve.entrypoints.protocol import error_response, require_api_key, valid_request_id
 from pdserve.entrypoints.proxy_metrics import outcome
-from pdserve.entrypoints.routing import poll_queues
+from pdserve.entrypoints.routing import Pool, poll_queues
 
 
 def build_app(proxy: Proxy, max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastAPI:
@@ -56,13 +56,18 @@ def build_app(proxy: Proxy, max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastA
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for b in proxy.decode.order()[0]:
-            try:
-                r = await proxy.client.get(b.url + "/v1/models", headers=proxy.headers("models"))
-                return Response(r.content, r.status_code, media_type="application/json")
-            except httpx.TransportError:
-                continue
-        return error_response(503, "no decode backend is reachable")
+        return await _any_backend(proxy, "GET", "/v1/models", [proxy.decode])
+
+    # Every instance serves the same model: any of them tokenizes.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _any_backend(proxy, "POST", "/tokenize", [proxy.decode, proxy.prefill],
+                                  await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _any_backend(proxy, "POST", "/detokenize", [proxy.decode, proxy.prefill],
+                                  await request.body())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -123,6 +128,22 @@ async def _unless_gone(request: Request, exchange: Coroutine[Any, Any, Response]
     with suppress(asyncio.CancelledError):
         await task
     return Response(status_code=499)  # nobody reads it
+
+
+async def _any_backend(proxy: Proxy, method: str, path: str, pools: list[Pool],
+                       content: bytes | None = None) -> Response:
+    """The answer of the first backend of `pools` that can be reached, relayed as it is."""
+    headers = {**proxy.headers(uuid.uuid4().hex), "Content-Type": "application/json"}
+    for pool in pools:
+        for b in pool.order()[0]:
+            try:
+                r = await proxy.client.request(method, b.url + path, content=content,
+                                               headers=headers)
+            except httpx.TransportError:
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+    return error_response(503, f"no {' or '.join(p.name for p in pools)} backend is "
+                               "reachable")
 
 
 async def _check(client: httpx.AsyncClient, url: str) -> bool:

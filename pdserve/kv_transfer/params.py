@@ -14,11 +14,23 @@ TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, l
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, its rank in the vocabulary (1:
+    the likeliest; vLLM's, counting the tokens at least as likely) and the k likeliest."""
+    logprob: float
+    rank: int
+    top: TopLogprobs = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class FirstToken:
-    """The token a prefill sampled, handed to the decode with the KV."""
+    """What a prefill computed that its decode cannot: the token it sampled and, when
+    asked, the prompt's logprobs (prompt tokens 1.. ; the first has none). Handed to the
+    decode with the KV."""
     token_id: int
     logprob: float
     top_logprobs: TopLogprobs = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -34,6 +46,8 @@ class KVParams:
     first_token_id: int | None = None
     first_token_logprob: float | None = None
     first_token_top_logprobs: TopLogprobs | None = None
+    # pdserve's: a prefill's prompt logprobs, as [logprob, rank, [[token id, logprob], ...]]
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KVParams:
@@ -42,8 +56,10 @@ class KVParams:
         p = cls(**{f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None})
         p._check_types()
         if p.first_token_top_logprobs is not None:
-            p.first_token_top_logprobs = [(int(t), float(lp))
-                                          for t, lp in p.first_token_top_logprobs]
+            p.first_token_top_logprobs = _pairs(p.first_token_top_logprobs)
+        if p.prompt_logprobs is not None:
+            p.prompt_logprobs = [PromptLogprob(float(lp), rank, _pairs(top))
+                                 for lp, rank, top in p.prompt_logprobs]
         return p
 
     @classmethod
@@ -54,12 +70,16 @@ class KVParams:
                    remote_block_ids=list(block_ids), remote_request_id=request_id,
                    remote_host=host, remote_port=port, tp_size=tp_size,
                    first_token_id=first.token_id, first_token_logprob=first.logprob,
-                   first_token_top_logprobs=first.top_logprobs or None)
+                   first_token_top_logprobs=first.top_logprobs or None,
+                   prompt_logprobs=first.prompt_logprobs)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
         if self.first_token_top_logprobs is not None:
             d["first_token_top_logprobs"] = [[t, lp] for t, lp in self.first_token_top_logprobs]
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = [[e.logprob, e.rank, [[t, lp] for t, lp in e.top]]
+                                    for e in self.prompt_logprobs]
         return d
 
     @property
@@ -77,7 +97,7 @@ class KVParams:
         if self.first_token_id is None:
             return None
         return FirstToken(self.first_token_id, float(self.first_token_logprob or 0.0),
-                          list(self.first_token_top_logprobs or []))
+                          list(self.first_token_top_logprobs or []), self.prompt_logprobs)
 
     def _check_types(self) -> None:
         for key in ("do_remote_decode", "do_remote_prefill"):
@@ -97,12 +117,15 @@ class KVParams:
                 isinstance(lp, bool):
             raise ValueError("first_token_logprob must be a number")
         top = self.first_token_top_logprobs
-        if top is not None and not (isinstance(top, list) and all(
-                isinstance(e, list | tuple) and len(e) == 2 and _is_int(e[0])
-                and isinstance(e[1], int | float) and not isinstance(e[1], bool)
-                for e in top)):
+        if top is not None and not _is_pairs(top):
             raise ValueError("first_token_top_logprobs must be a list of [token id, logprob] "
                              "pairs")
+        prompt = self.prompt_logprobs
+        if prompt is not None and not (isinstance(prompt, list) and all(
+                isinstance(e, list | tuple) and len(e) == 3 and _is_number(e[0])
+                and _is_int(e[1]) and _is_pairs(e[2]) for e in prompt)):
+            raise ValueError("prompt_logprobs must be a list of [logprob, rank, [[token id, "
+                             "logprob], ...]]")
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,7 +190,27 @@ class ParamsValidator:
         if any(not 0 <= t < self.vocab_size for t, _ in p.first_token_top_logprobs or []):
             raise ValueError("first_token_top_logprobs must be a list of [token id, logprob] "
                              "pairs")
+        if p.prompt_logprobs is not None:  # one per prompt token after the first
+            if len(p.prompt_logprobs) != prompt_len - 1:
+                raise ValueError(f"prompt_logprobs has {len(p.prompt_logprobs)} entries for a "
+                                 f"{prompt_len}-token prompt (one per token after the first)")
+            if any(not 0 <= t < self.vocab_size for e in p.prompt_logprobs for t, _ in e.top):
+                raise ValueError("prompt_logprobs must name token ids of this model")
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_pairs(v: object) -> bool:
+    """A list of [token id, logprob] pairs (JSON's form of TopLogprobs)."""
+    return isinstance(v, list) and all(isinstance(e, list | tuple) and len(e) == 2
+                                       and _is_int(e[0]) and _is_number(e[1]) for e in v)
+
+
+def _pairs(v: list) -> TopLogprobs:
+    return [(int(t), float(lp)) for t, lp in v]

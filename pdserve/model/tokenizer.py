@@ -51,17 +51,24 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings for ids (byte-level BPE: "Ġword"), as HF's
+        convert_ids_to_tokens."""
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         return self.chat_template.render(messages=messages, tools=tools,
-                                         add_generation_prompt=True, **self.special)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.special)
 
     @property
     def template_takes_tools(self) -> bool:

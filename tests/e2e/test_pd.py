@@ -368,3 +368,60 @@ def test_structured_output_identical_to_monolithic(setup, constraint):
     # Every prompt was prefilled on the prefill and its KV pulled: really disaggregated.
     assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed
     _assert_pools_whole(prefill, decode)
+
+
+PROMPT_LOGPROBS = [  # (path, body): echo with logprobs, lm-eval's max_tokens 0, vLLM's field
+    ("/v1/completions", {"prompt": COMPLETIONS[4], "echo": True, "logprobs": 2,
+                         "max_tokens": 6}),
+    ("/v1/completions", {"prompt": "The capital of France is", "echo": True, "logprobs": 1,
+                         "max_tokens": 0}),
+    ("/v1/completions", {"prompt": LONG, "prompt_logprobs": 3, "max_tokens": 4}),  # 3 chunks
+    ("/v1/chat/completions", {"messages": CHATS[1], "prompt_logprobs": 2, "max_tokens": 6}),
+]
+
+
+def _answer(url: str, path: str, body: dict) -> dict:
+    """What must not depend on where the request ran: choices, usage, prompt logprobs."""
+    r = httpx.post(url + path, json={"model": MODEL, "temperature": 0, **body}, timeout=300)
+    assert r.status_code == 200, r.text
+    a = r.json()
+    return {"choices": a["choices"], "usage": a["usage"], "prompt": a.get("prompt_logprobs")}
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+def test_prompt_logprobs_identical_to_monolithic(setup):
+    """The prefill scores the prompt and hands its logprobs to the decode in
+    kv_transfer_params; the proxy's answer is the monolith's, and the decode computed no
+    prompt token."""
+    dtype, mono, up, prefill, decode = setup
+    computed = metric(decode, "pdserve_prompt_tokens_computed_total")
+    for path, body in PROMPT_LOGPROBS:
+        want = _answer(mono.url, path, body)
+        assert want["choices"][0].get("prompt_logprobs") or want["prompt"] or \
+            want["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        _assert_close(_answer(up.url, path, body), want, path)
+    echo = PROMPT_LOGPROBS[0][1]  # streamed: the first chunk carries the prompt's
+    _assert_close(_sampling_view(up.url, "/v1/completions", {"model": MODEL, **echo,
+                                                             "temperature": 0}, True),
+                  _sampling_view(mono.url, "/v1/completions", {"model": MODEL, **echo,
+                                                               "temperature": 0}, True),
+                  "streamed echo")
+    assert metric(decode, "pdserve_prompt_tokens_computed_total") == computed
+    # Streamed, vLLM's field is refused by the decode only (the prefill is sent no stream):
+    # the decode tells the prefill to free the prompt's blocks (a lease would hold them 30 s).
+    r = httpx.post(up.url + "/v1/completions", json={
+        "model": MODEL, "prompt": LONG, "prompt_logprobs": 1, "stream": True}, timeout=60)
+    assert r.status_code == 400 and "stream=True" in r.json()["error"]["message"], r.text
+    _assert_pools_whole(prefill, decode)
+
+
+@pytest.mark.parametrize("setup", ["float32"], indirect=True)
+def test_tokenize_through_the_proxy(setup):
+    dtype, mono, up, prefill, decode = setup
+    for path, body in [("/tokenize", {"prompt": LONG[:200], "return_token_strs": True}),
+                       ("/tokenize", {"messages": CHATS[1]}),
+                       ("/detokenize", {"tokens": [504, 3458, 282]})]:
+        got, want = (httpx.post(u + path, json=body, timeout=30) for u in (up.url, mono.url))
+        assert got.status_code == 200 and got.json() == want.json(), got.text
+    r = httpx.post(up.url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert r.status_code == 400 and "tokens must be in" in r.json()["error"]["message"]

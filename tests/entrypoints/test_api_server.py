@@ -13,10 +13,11 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from pdserve.engine.request import Request
 from pdserve.model.loader import EMBEDDED_NAME
-from tests.entrypoints.conftest import ALIAS
+from tests.entrypoints.conftest import ALIAS, MAX_MODEL_LEN
 from tests.utils import free_port, greedy, metric, run_engine
 
 PROMPT = "The capital of France is"
@@ -109,7 +110,8 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
     "empty token list": ("completions", {"prompt": []}, "empty"),
     "text without tokens": ("completions", {"prompt": "\x06"}, "no tokens"),
     "no messages": ("chat/completions", {"messages": []}, "messages"),
-    "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0},
+                     "max_tokens must be at least 1 (0 only with echo"),
     "max_tokens -1": ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     "max_tokens 0 (chat)": ("chat/completions", {"messages": CHAT, "max_tokens": 0},
                             "max_tokens"),
@@ -136,8 +138,15 @@ BAD_REQUESTS = {  # case: (endpoint, body, what the error message must name)
     "top_logprobs without logprobs": ("chat/completions", {"messages": CHAT,
                                                            "top_logprobs": 2},
                                       "`logprobs` must be set to true"),
-    "echo with logprobs": ("completions", {"prompt": "hi", "echo": True, "logprobs": 1},
-                           "echo with logprobs is not supported"),
+    "echo with logprobs 21": ("completions", {"prompt": "hi", "echo": True, "logprobs": 21},
+                              "logprobs"),
+    "prompt_logprobs 21": ("completions", {"prompt": "hi", "prompt_logprobs": 21},
+                           "prompt_logprobs"),
+    "prompt_logprobs -1 (chat)": ("chat/completions", {"messages": CHAT, "prompt_logprobs": -1},
+                                  "prompt_logprobs"),
+    "prompt_logprobs streamed": ("completions", {"prompt": "hi", "prompt_logprobs": 1,
+                                                 "stream": True},
+                                 "`prompt_logprobs` are not available when `stream=True`"),
     "not JSON": ("completions", b'{"prompt": "hi",', "the request body is not valid JSON"),
     "a prompt longer than any context": ("completions", {"prompt": "word " * 300_000},
                                          "a prompt of 1500000 characters is longer"),
@@ -371,3 +380,134 @@ def test_echo_prepends_the_prompt(server, engine_f32):
     ids = engine_f32.tokenizer.encode(PROMPT)  # token ids echo as their text
     echoed = _post(server, "completions", {**body, "prompt": ids, "echo": True})
     assert echoed["choices"][0]["text"] == engine_f32.tokenizer.decode(ids) + plain
+
+
+# -- prompt logprobs ---------------------------------------------------------------------------
+
+def _engine_prompt_logprobs(engine, ids: list[int], k: int):
+    req = Request("prompt-lp", ids, greedy(1, prompt_logprobs=k))
+    run_engine(engine, [req])
+    return req.prompt_logprobs
+
+
+def test_echo_with_logprobs_in_openai_shape(client, engine_f32):
+    tok = engine_f32.tokenizer
+    ids = tok.encode(PROMPT)
+    want = _engine_prompt_logprobs(engine_f32, ids, 2)
+    kw = {"model": EMBEDDED_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+          "logprobs": 2}
+    plain = client.completions.create(**kw).choices[0]
+    resp = client.completions.create(**kw, echo=True)
+    assert isinstance(resp, openai.types.Completion)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert isinstance(lp, openai.types.completion_choice.Logprobs)
+    assert choice.text == PROMPT + plain.text
+    n = len(ids)
+    assert lp.tokens == [tok.decode([t]) for t in ids] + plain.logprobs.tokens
+    # OpenAI's and vLLM's shape: the first prompt token has no logprob.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    for pos, e in enumerate(want, 1):  # the prompt token and the 2 likeliest
+        assert lp.top_logprobs[pos].keys() == {lp.tokens[pos]} | {tok.decode([t])
+                                                                  for t, _ in e.top}
+    for got, alone in zip(lp.top_logprobs[n:], plain.logprobs.top_logprobs, strict=True):
+        # (a GEMM over more rows may round the last digits differently)
+        assert got.keys() == alone.keys()
+        assert list(got.values()) == pytest.approx(list(alone.values()), abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == choice.text
+    # vLLM's field rides along, one entry per prompt token.
+    assert len(choice.model_extra["prompt_logprobs"]) == n
+
+
+def test_lm_eval_scoring_matches_hf(server, hf_model, tokenizer):
+    """lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 1 (or 0: the prompt
+    alone). The prompt's logprobs are HF's log_softmax within 1e-4 (float32)."""
+    text = "The lighthouse keeper climbed the spiral stairs every evening at dusk."
+    ids = tokenizer.encode(text)
+    with torch.inference_mode():
+        hf = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    want = hf[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    body = {"prompt": text, "echo": True, "logprobs": 1, "temperature": 0}
+    one = _post(server, "completions", {**body, "max_tokens": 1})["choices"][0]["logprobs"]
+    assert one["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert len(one["tokens"]) == len(ids) + 1
+    zero = _post(server, "completions", {**body, "max_tokens": 0})
+    choice = zero["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == one["token_logprobs"][:len(ids)]
+    assert zero["usage"]["completion_tokens"] == 0
+    assert _stream(server, "completions", {**body, "max_tokens": 0})[0]["choices"][0][
+        "logprobs"] == choice["logprobs"]
+
+
+def test_echo_with_logprobs_streamed(server):
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 3, "max_tokens": 5, "temperature": 0}
+    whole = _post(server, "completions", body)["choices"][0]["logprobs"]
+    chunks = _stream(server, "completions", body)
+    joined = {k: [x for c in chunks for x in c["choices"][0]["logprobs"][k]] for k in whole}
+    assert joined == whole
+    first = chunks[0]["choices"][0]["logprobs"]  # the prompt's tokens come first
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) > 5
+
+
+def test_vllm_prompt_logprobs_field(server, engine_f32):
+    tok = engine_f32.tokenizer
+    ids = tok.encode(PROMPT)
+    want = _engine_prompt_logprobs(engine_f32, ids, 3)
+    got = _post(server, "completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                        "prompt_logprobs": 3})
+    choice = got["choices"][0]
+    assert choice["logprobs"] is None  # the output's were not asked for
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for token, e, entry in zip(ids[1:], want, entries[1:], strict=True):
+        assert next(iter(entry)) == str(token)  # the prompt's token first, then the top 3
+        assert entry[str(token)]["logprob"] == pytest.approx(e.logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == e.rank
+        assert entry[str(token)]["decoded_token"] == tok.decode([token])
+        assert [entry[str(t)]["rank"] for t, _ in e.top] == [1, 2, 3]
+    chat = _post(server, "chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                              "prompt_logprobs": 1})
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]  # response level
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"][1]) in (1, 2)
+    plain = _post(server, "completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+# -- /tokenize and /detokenize -------------------------------------------------------------------
+
+def test_tokenize_detokenize_round_trip(server, engine_f32):
+    tok = engine_f32.tokenizer
+    got = _post_root(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    ids = tok.encode(PROMPT)
+    assert got == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                   "token_strs": tok.token_strs(ids)}
+    assert got["token_strs"][1].startswith("Ġ")  # the vocabulary's strings, not decoded text
+    assert _post_root(server, "/detokenize", {"tokens": ids}) == {"prompt": PROMPT}
+    # Messages through the chat template, with or without the assistant's turn opened.
+    open_turn = _post_root(server, "/tokenize", {"messages": CHAT})
+    assert open_turn["tokens"] == tok.encode(tok.apply_chat_template(CHAT))
+    closed = _post_root(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert closed["count"] < open_turn["count"] and "token_strs" not in closed
+
+
+@pytest.mark.parametrize(("path", "body", "status", "names"), [
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens must be in [0, 49152)"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens must be in"),
+    ("/tokenize", {}, 400, "send either `prompt` or `messages`"),
+    ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, "either"),
+    ("/tokenize", {"prompt": "hi", "model": "gpt-4o"}, 404, "does not exist"),
+])
+def test_bad_tokenize_requests(server, path, body, status, names):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status and names in r.json()["error"]["message"], r.text
+    assert _post_root(server, "/detokenize", {"tokens": [504]})["prompt"]  # still serving
+
+
+def _post_root(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()

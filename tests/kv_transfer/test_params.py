@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.params import FirstToken, KVParams, ParamsValidator
+from pdserve.kv_transfer.params import FirstToken, KVParams, ParamsValidator, PromptLogprob
 
 GOOD = {"do_remote_prefill": True, "remote_engine_id": "prefill-a",
         "remote_block_ids": [7, 8, 9], "remote_request_id": "p1", "remote_host": "127.0.0.1",
@@ -28,6 +28,15 @@ def test_a_prefills_answer_round_trips_through_json():
     assert "first_token_top_logprobs" not in answer.to_dict()
 
 
+def test_prompt_logprobs_travel_with_the_first_token():
+    prompt = [PromptLogprob(-2.5, 3, [(9, -0.5), (4, -1.0)]), PromptLogprob(-0.1, 1)]
+    answer = KVParams.for_decode("e", "h", 1, "r", [3], 1, FirstToken(5, -1.0, [], prompt))
+    raw = answer.to_dict()
+    assert raw["prompt_logprobs"] == [[-2.5, 3, [[9, -0.5], [4, -1.0]]], [-0.1, 1, []]]
+    assert KVParams.from_dict(raw).first_token.prompt_logprobs == prompt
+    validator()(KVParams.from_dict({**GOOD, "prompt_logprobs": raw["prompt_logprobs"]}), 3)
+
+
 def test_incomplete_params_are_accepted_and_recomputed():
     p = KVParams.from_dict({"do_remote_prefill": True, "remote_host": "127.0.0.1"})
     validator()(p, 10)
@@ -43,6 +52,9 @@ def test_incomplete_params_are_accepted_and_recomputed():
     ({"first_token_id": True}, "first_token_id"),
     ({"first_token_logprob": "x"}, "first_token_logprob"),
     ({"first_token_top_logprobs": [[5]]}, "pairs"),
+    ({"prompt_logprobs": [[-1.0, 1]]}, "prompt_logprobs"),
+    ({"prompt_logprobs": [[-1.0, 1.5, []]]}, "prompt_logprobs"),
+    ({"prompt_logprobs": [[-1.0, 1, [[5]]]]}, "prompt_logprobs"),
 ])
 def test_malformed_values_are_refused_by_name(bad, word):
     with pytest.raises(ValueError, match=word):
@@ -57,6 +69,8 @@ def test_malformed_values_are_refused_by_name(bad, word):
     ({"first_token_id": 10**6}, "first_token_id"),
     ({"first_token_top_logprobs": [[10**6, -1.0]]}, "first_token_top_logprobs"),
     ({"do_remote_decode": True}, "exclusive"),
+    ({"prompt_logprobs": [[-1.0, 1, []]]}, "1 entries for a 10-token prompt"),
+    ({"prompt_logprobs": [[-1.0, 1, [[10**6, -1.0]]]] * 9}, "token ids of this model"),
 ])
 def test_params_this_server_must_not_follow_are_refused(bad, word):
     with pytest.raises(ValueError, match=word):

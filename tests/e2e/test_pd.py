@@ -326,7 +326,7 @@ def test_bad_sampling_values_are_400_through_the_proxy(setup):
     dtype, mono, up, prefill, decode = setup
     for bad, word in [({"repetition_penalty": 0}, "repetition_penalty"),
                       ({"n": 2, "logprobs": 21}, "logprobs"),
-                      ({"n": 2, "echo": True, "logprobs": 1}, "echo"),
+                      ({"n": 2, "prompt_logprobs": 21}, "prompt_logprobs"),
                       ({"n": 2, "model": "gpt-4o"}, "does not exist")]:
         r = httpx.post(up.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
                                                          **bad}, timeout=60)

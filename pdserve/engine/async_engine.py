@@ -6,7 +6,7 @@ engine ranks in their own processes. Both share the per-request streaming here."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,11 +81,13 @@ class StreamingClient:
 
 
 class AsyncEngine(StreamingClient):
-    def __init__(self, engine: LLMEngine, registry: CollectorRegistry) -> None:
+    """`build` makes the engine on its loop's thread (engine_loop.py says why)."""
+
+    def __init__(self, build: Callable[[], LLMEngine], registry: CollectorRegistry) -> None:
         super().__init__()
-        self.engine = engine
         self.registry = registry
-        self.loop = EngineLoop(engine, self._dispatch)
+        self.loop = EngineLoop(build, self._dispatch)
+        self.engine = self.loop.engine
 
     def _add(self, req: Request) -> None:
         self.loop.add(req)

@@ -51,14 +51,16 @@ def run_rank(spec: RankSpec) -> None:
     if kv is not None:
         kv = dataclasses.replace(kv, engine_id=engine_id)
     host, base_port = spec.side_channel
+    tp = spec.config.tensor_parallel_size
     try:
-        tp = spec.config.tensor_parallel_size
-        engine = build_engine(spec.config, kv, registry, engine_id,
-                              (host, base_port + spec.rank * tp), dp_rank=spec.rank)
+        loop = EngineLoop(lambda: build_engine(spec.config, kv, registry, engine_id,
+                                               (host, base_port + spec.rank * tp),
+                                               dp_rank=spec.rank),
+                          lambda outs: send(("out", outs)))
     except (ConfigError, ModelLoadError) as e:
         send(("error", spec.rank, str(e)))
         return
-    loop = EngineLoop(engine, lambda outs: send(("out", outs)))
+    engine = loop.engine
     send(("ready", spec.rank, engine.kv_info(), engine.describe()))
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(spec.inbox)

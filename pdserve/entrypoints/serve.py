@@ -164,11 +164,10 @@ def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from pdserve.engine.build import build_engine
 
     registry = CollectorRegistry()
-    engine = build_engine(cfg, kv, registry,
-                          side_channel=(args.kv_side_channel_host, args.kv_side_channel_port))
+    side = (args.kv_side_channel_host, args.kv_side_channel_port)
+    engine = AsyncEngine(lambda: build_engine(cfg, kv, registry, side_channel=side), registry)
     # One compile cache for the handlers and the engine.
-    return _state(args, cfg, kv, AsyncEngine(engine, registry), engine.tokenizer,
-                  engine.grammars)
+    return _state(args, cfg, kv, engine, engine.engine.tokenizer, engine.engine.grammars)
 
 
 def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):

@@ -31,7 +31,7 @@ def test_a_decode_lends_after_decode_steps_but_keeps_its_core_after_a_prefill(
 
     monkeypatch.setattr(core_loan.Lender, "after_step", spy)
     done = threading.Event()
-    loop = EngineLoop(engine_f32, lambda outs: any(o.finished for o in outs) and done.set())
+    loop = EngineLoop(lambda: engine_f32, lambda outs: any(o.finished for o in outs) and done.set())
     try:
         loop.add(Request("local", list(range(100, 140)), greedy(3)))  # 1 prefill, 2 decodes
         assert done.wait(60)

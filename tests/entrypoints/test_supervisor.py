@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -76,12 +78,23 @@ def _count(registry: CollectorRegistry, name: str, reason: str) -> float:
                                      {"instance": name, "reason": reason}) or 0.0
 
 
-def test_an_instance_that_exits_is_restarted_after_a_growing_pause(health):
-    inst = Inst("decode0", health)
+@contextmanager
+def supervised(name: str, url: str, startup_timeout: float = 30
+               ) -> Iterator[tuple[Inst, Supervisor, CollectorRegistry]]:
+    """One instance (a sleeping process) under a Supervisor probing `url`."""
+    inst = Inst(name, url)
     _start(inst)
     registry = CollectorRegistry()
-    sup = Supervisor([inst], _start, _kill, startup_timeout=30, registry=registry)
+    sup = Supervisor([inst], _start, _kill, startup_timeout, registry)
     try:
+        yield inst, sup, registry
+    finally:
+        sup.close()
+        _kill(inst)
+
+
+def test_an_instance_that_exits_is_restarted_after_a_growing_pause(health):
+    with supervised("decode0", health) as (inst, sup, registry):
         starts = []
         for _ in range(3):
             first = inst.proc
@@ -95,20 +108,13 @@ def test_an_instance_that_exits_is_restarted_after_a_growing_pause(health):
             _run(sup, 0.1)  # healthy again, not for long: the next exit backs off further
         assert inst.proc.poll() is None
         assert _count(registry, "decode0", "exited") == 3
-        # Pauses of 0.2, 0.4 and 0.8 s (plus a check's latency).
-        for got, want in zip(starts, (0.2, 0.4, 0.8), strict=True):
-            assert want <= got < want + 0.5, starts
-    finally:
-        sup.close()
-        _kill(inst)
+    # Pauses of 0.2, 0.4 and 0.8 s (plus a check's latency).
+    for got, want in zip(starts, (0.2, 0.4, 0.8), strict=True):
+        assert want <= got < want + 0.5, starts
 
 
 def test_a_hung_instance_is_killed_and_restarted(health):
-    inst = Inst("prefill0", health)
-    _start(inst)
-    registry = CollectorRegistry()
-    sup = Supervisor([inst], _start, _kill, startup_timeout=30, registry=registry)
-    try:
+    with supervised("prefill0", health) as (inst, sup, registry):
         _run(sup, 0.2)
         hung = inst.proc
         _Health.status = 503
@@ -118,24 +124,14 @@ def test_a_hung_instance_is_killed_and_restarted(health):
         _run(sup, 0.5)
         assert inst.proc is not hung and inst.proc.poll() is None
         assert _count(registry, "prefill0", "unhealthy") == 1
-    finally:
-        sup.close()
-        _kill(inst)
 
 
 def test_an_instance_still_starting_is_left_alone_until_its_time_is_up(health):
-    inst = Inst("prefill1", health)
-    _start(inst)
     _Health.status = 503  # not yet healthy
-    registry = CollectorRegistry()
-    sup = Supervisor([inst], _start, _kill, startup_timeout=1.0, registry=registry)
-    try:
+    with supervised("prefill1", health, startup_timeout=1.0) as (inst, sup, registry):
         starting = inst.proc
         _run(sup, 0.5)
         assert inst.proc is starting and starting.poll() is None
         _run(sup, 1.0)
         assert starting.poll() is not None
         assert _count(registry, "prefill1", "unhealthy") == 1
-    finally:
-        sup.close()
-        _kill(inst)

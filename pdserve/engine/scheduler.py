@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill and recompute preemption.
 
-Every step spends a token budget: running requests first (a decode costs one token, an
-unfinished prefill its next chunk), then waiting ones. A request whose KV comes from a
-remote prefill gets its blocks and waits in WAITING_FOR_REMOTE_KV until the pull lands.
+Every step spends a budget of prompt tokens: running requests first (an unfinished prefill
+its next chunk; a decode's one token is scheduled outside the budget), then waiting ones.
+A request whose KV comes from a remote prefill gets its blocks and waits in
+WAITING_FOR_REMOTE_KV until the pull lands.
 A request admitted starts from the longest prefix of its tokens already in the prefix cache
 (full blocks it shares by reference), and its own full blocks join the cache once computed."""
 
@@ -42,15 +43,23 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule()
+        # The budget bounds a step's prompt tokens (its chunked prefill). A decode's one
+        # token rides along outside it: a prompt is not split for the decodes beside it
+        # (a 512-token prompt took two steps while anything decoded), and no decode waits a
+        # step behind an earlier request's prompt chunk.
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = self._num_new(req, budget)
+            decode = self._decoding(req)
+            n = 1 if decode else self._num_new(req, budget)
+            if n == 0:  # the budget is spent: its next chunk waits for the next step
+                i += 1
+                continue
             if not self._reserve(req, n, out):
                 break  # req itself was preempted
             out.items.append((req, n))
-            budget -= n
+            budget -= 0 if decode else n
             i += 1
         while self.waiting and budget > 0 and self._slots_left():
             if (n := self._admit(self.waiting[0], budget, out)) is None:
@@ -126,6 +135,12 @@ class Scheduler:
 
     def _slots_left(self) -> bool:
         return len(self.running) + len(self.loading) < self.config.max_num_seqs
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """Its prompt is computed and one sampled token is not: a plain decode."""
+        return req.num_computed_tokens >= req.num_prompt_tokens and \
+            len(req.token_ids) - req.num_computed_tokens == 1
 
     def _num_new(self, req: Request, budget: int) -> int:
         # A prompt is prefilled in chunks that stop at its end, so its KV (and what a

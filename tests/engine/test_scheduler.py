@@ -194,3 +194,22 @@ def test_a_request_without_prompt_tokens_is_refused_before_it_reaches_a_step():
     # Scheduled, it would make a step of zero tokens and fail every request batched with it.
     with pytest.raises(ValueError, match="no tokens"):
         Request("empty", [], SamplingParams(max_tokens=1))
+
+
+def test_decodes_ride_outside_the_prompt_budget():
+    """A prompt as long as the budget goes in one step beside running decodes (not in two,
+    the second a sliver), and decodes go on while a long prompt spends whole budgets."""
+    s = _scheduler(200, max_num_batched_tokens=512)
+    d1, d2 = _add(s, "d1", 10), _add(s, "d2", 10)
+    assert _items(_step(s)) == {"d1": 10, "d2": 10}
+    p = _add(s, "p", 512)
+    assert _items(_step(s)) == {"d1": 1, "d2": 1, "p": 512}
+    _finish(s, d1)
+    _finish(s, d2)
+    _add(s, "long", 1200)
+    assert _items(_step(s)) == {"p": 1, "long": 512}
+    later = _add(s, "later", 8)
+    assert _items(_step(s)) == {"p": 1, "long": 512}  # the budget spent: "later" waits
+    assert _items(_step(s)) == {"p": 1, "long": 176, "later": 8}
+    assert _items(_step(s)) == {"p": 1, "long": 1, "later": 1}
+    assert later.status is Status.RUNNING and p.num_output_tokens == 5

@@ -28,6 +28,8 @@ class EngineLoop:
     """`build` makes the engine, on the loop's thread; the constructor returns once it is
     built, or raises what building raised."""
 
+    engine: LLMEngine  # set by the loop's thread before the constructor returns
+
     def __init__(self, build: Callable[[], LLMEngine],
                  deliver: Callable[[list[RequestOutput]], None],
                  idle_poll_s: float = 0.05) -> None:
@@ -41,7 +43,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._build_and_run, args=(build, built),
                                         name="engine-loop", daemon=True)
         self._thread.start()
-        self.engine: LLMEngine = built.result()
+        built.result()
 
     def _build_and_run(self, build: Callable[[], LLMEngine], built: Future) -> None:
         try:
@@ -54,7 +56,7 @@ class EngineLoop:
             engine.set_checkpoint(self.borrower.take)
         freeze_heap()
         self.engine = engine
-        built.set_result(engine)
+        built.set_result(None)
         self._run()
 
     def add(self, req: Request) -> None:

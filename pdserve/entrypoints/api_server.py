@@ -269,9 +269,8 @@ def _release_refused(state: ServerState, body: Any) -> None:
     prefill took: the proxy sends the prefill `stream: false`): let the prefill free it."""
     given = body.get("kv_transfer_params") if isinstance(body, dict) else None
     if isinstance(given, dict):
-        with suppress(ValueError, TypeError):
-            _release(state, KVParams.from_dict({k: v for k, v in given.items()
-                                                if v is not None}))
+        with suppress(ValueError, TypeError):  # (from_dict skips nulls itself)
+            _release(state, KVParams.from_dict(given))
 
 
 def request_id(raw: Request) -> str:

@@ -5,6 +5,12 @@ each, the ratios printed.
     pdserve bench peer                          # vLLM from ../shared/peer (install there)
     pdserve bench peer --peer /path/to/peer     # the folder with serve.sh and its venv
     pdserve bench peer --only prefill,batch     # some of the work
+    pdserve bench peer --layout 1p1d            # `pdserve up` against vLLM's tuned 1P1D
+
+Layouts: `mono` runs `pdserve serve` against `vllm serve` on every core; `1p1d` runs `pdserve
+up` (one prefill, one decode, its proxy) against a vLLM prefill on core 0 and a vLLM decode on
+core 1 (NixlConnector, the peer folder's two tuning patches on), fronted by `pdserve proxy`,
+which both P/D protocols share, so that the proxy costs each side the same.
 
 Work: lone prompts of 1,000-7,900 tokens (max_tokens 1: the prefill's wall time); 64
 sequences at once (64-512 tokens in, 64-512 out, ignore_eos: output throughput); Poisson
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -29,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench import serve
-from pdserve.bench.launch import free_port, launched, running
+from pdserve.bench.launch import free_port, launched, running, up_layout
 
 MAX_MODEL_LEN = 8192  # room for the longest prompt, on both servers
 RATES = (1.0, 2.0)
@@ -43,15 +50,25 @@ class Results:
     peak_rss_mb: float | None = None  # summed over the server's processes, at the end
 
 
-def peak_rss_mb(group: int) -> float:
-    """The peak resident memory (VmHWM) of every process in process group `group`, summed."""
-    total = 0
+def peak_rss_mb(root: int) -> float:
+    """The peak resident memory (VmHWM) of process `root` and all its descendants, summed:
+    `pdserve up` starts its instances in process groups of their own."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:
-                continue
-            status = stat.with_name("status").read_text()
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    tree, grew = {root}, True
+    while grew:
+        new = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= new
+        grew = bool(new)
+    total = 0
+    for pid in tree:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
             continue
         total += next((int(line.split()[1]) for line in status.splitlines()
                        if line.startswith("VmHWM:")), 0)
@@ -120,21 +137,37 @@ def measured(server, url: str, model: str, args: argparse.Namespace, tag: str) -
 
 
 def run_pdserve(args: argparse.Namespace, model: str) -> Results:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = ["serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-            "--served-model-name", model]
-    server = launched(argv, [url], log=Path(args.out) / "pdserve.log")
+    engine = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", model]
+    if args.layout == "1p1d":
+        argv, url, prefill, decode = up_layout(engine)
+        health = [prefill, decode, url]
+    else:
+        url = f"http://127.0.0.1:{free_port()}"
+        argv, health = ["serve", "--port", url.rsplit(":", 1)[1], *engine], [url]
+    server = launched(argv, health, log=Path(args.out) / f"pdserve-{args.layout}.log")
     return measured(server, url, model, args, "pdserve")
 
 
 def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = os.environ | {"VLLM_PEER_MAX_LEN": str(MAX_MODEL_LEN), "VLLM_PEER_MODEL": model}
-    cores = f"0-{len(os.sched_getaffinity(0)) - 1}"  # its thread binding: every core
-    server = running(["bash", str(peer / "serve.sh"), "mono", str(port), cores], [url],
-                     timeout=600, env=env, name="vllm serve", log=Path(args.out) / "vllm.log")
+    serve_sh = shlex.quote(str(peer / "serve.sh"))
+    if args.layout == "1p1d":
+        ports = free_port(count=3)
+        side = free_port(count=2)
+        urls = [f"http://127.0.0.1:{p}" for p in (ports, ports + 1, ports + 2)]
+        # One process group: both vLLM instances and the proxy stop together.
+        script = (f"VLLM_PEER_TUNED=1 {serve_sh} prefill {ports} {side} 0 & "
+                  f"VLLM_PEER_TUNED=1 {serve_sh} decode {ports + 1} {side + 1} 1 & "
+                  f"{shlex.quote(sys.executable)} -m pdserve.entrypoints.cli proxy --port "
+                  f"{ports + 2} --prefill {urls[0]} --decode {urls[1]} --tokenizer "
+                  f"{shlex.quote(model)} & wait")
+        url, cmd = urls[2], ["bash", "-c", script]
+    else:
+        url = f"http://127.0.0.1:{free_port()}"
+        cores = f"0-{len(os.sched_getaffinity(0)) - 1}"  # its thread binding: every core
+        cmd, urls = ["bash", str(peer / "serve.sh"), "mono", url.rsplit(":", 1)[1], cores], [url]
+    server = running(cmd, urls, timeout=600, env=env, name=f"vllm ({args.layout})",
+                     log=Path(args.out) / f"vllm-{args.layout}.log")
     return measured(server, url, model, args, "vllm")
 
 
@@ -175,6 +208,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-model", default=os.environ.get("VLLM_PEER_MODEL", "/tmp/smollm2-hf"),
                    help="the embedded model as an HF folder, for vLLM (and as the name both "
                    "serve)")
+    p.add_argument("--layout", choices=("mono", "1p1d"), default="mono",
+                   help="mono: pdserve serve against vllm serve; 1p1d: pdserve up against "
+                   "vLLM's prefill and decode behind a proxy")
     p.add_argument("--only", default="prefill,batch,serve",
                    help="comma-separated: prefill, batch, serve")
     p.add_argument("--prefill-lens", default="1000,2000,4000,7900",
@@ -202,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     ours = run_pdserve(args, args.hf_model if has_peer else "pdserve")
     theirs = run_vllm(args, peer, args.hf_model) if has_peer else None
+    print(f"layout: {args.layout}")
     print(report(ours, theirs))
     print(f"server logs and each run's JSON: {args.out}", file=sys.stderr)
     return 0

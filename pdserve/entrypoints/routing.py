@@ -199,11 +199,15 @@ class PromptTokens:
 
 async def poll_queues(client: httpx.AsyncClient, pool: Pool) -> None:
     """Keep each prefill's own count of waiting requests fresh: other proxies' and
-    clients' requests queue there too, which our outstanding count cannot see."""
+    clients' requests queue there too, which our outstanding count cannot see. A prefill
+    that answers is up again: one that refused a request while (re)starting gets prompts
+    within a poll of coming back, not DOWN_SECONDS later."""
     async def one(b: Backend) -> None:
         try:
             r = await client.get(b.url + "/metrics", timeout=2)
             b.reported_waiting = int(sum(map(float, _WAITING.findall(r.text))))
+            if r.status_code == 200:
+                b.mark(reachable=True)
         except (httpx.HTTPError, ValueError):
             b.reported_waiting = 0  # a prefill that is down is skipped when sent to
     while True:

@@ -25,6 +25,9 @@ from pdserve.entrypoints.supervisor import Supervisor
 
 log = logging.getLogger("pdserve.up")
 UP_MAX_PREFILL_QUEUE = 2  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
+# A decode prefills only what overflows the prefills, recomputes and short prompts; every
+# step of that stalls its streams, so it takes prompts in smaller chunks (docs/benchmarks.md).
+UP_DECODE_PROMPT_BUDGET = 128
 LOAN_NICE = 10  # a prefill's, where it borrows decodes' cores: on them the decode comes first
 
 
@@ -67,6 +70,11 @@ def add_parser(sub) -> None:
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="where up serves its own metrics (restarts); default: --base-port - 1")
+    p.add_argument("--decode-max-num-batched-tokens", type=int,
+                   default=UP_DECODE_PROMPT_BUDGET, metavar="N",
+                   help="prompt tokens per step on a decode instance, which prefills only "
+                   "overflow, recomputes and short prompts while its streams wait (the "
+                   "prefills take --max-num-batched-tokens)")
     p.add_argument("--core-loan", action=argparse.BooleanOptionalAction, default=True,
                    help="a prefill computes on the decodes' cores while they have nothing "
                    "to decode (default: on)")
@@ -103,8 +111,10 @@ def plan(args: argparse.Namespace, engine_argv: list[str], boards: str | None = 
                     "--kv-transfer-config", json.dumps(kv), "--data-parallel-size", str(dp),
                     "--tensor-parallel-size", str(tp),
                     "--kv-side-channel-host", args.host,
-                    "--kv-side-channel-port", str(side), *engine_argv,
-                    "--num-threads", str(threads)]
+                    "--kv-side-channel-port", str(side), *engine_argv]
+            if role == "decode":  # after engine_argv: the last flag given wins
+                argv += ["--max-num-batched-tokens", str(args.decode_max_num_batched_tokens)]
+            argv += ["--num-threads", str(threads)]
             inst = Instance(f"{role}{i}", argv, f"http://{args.host}:{port}", env, cpus, nice)
             if args.api_key:
                 inst.argv += ["--api-key", args.api_key]
@@ -191,9 +201,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.prefill_dp, args.decode_dp, args.prefill_tp,
-           args.decode_tp) < 1:
-        print("pdserve: error: --prefill, --decode and their -dp and -tp sizes must be at "
-              "least 1", file=sys.stderr)
+           args.decode_tp, args.decode_max_num_batched_tokens) < 1:
+        print("pdserve: error: --prefill, --decode, their -dp and -tp sizes and "
+              "--decode-max-num-batched-tokens must be at least 1", file=sys.stderr)
         return 2
     if problem := check_routing_args(args):
         print(f"pdserve: error: {problem}", file=sys.stderr)

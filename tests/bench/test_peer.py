@@ -2,7 +2,11 @@
 report's ratios and the servers' peak memory; a baseline that dies while starting is a
 clear error, not a hang."""
 
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +56,26 @@ def test_a_baseline_that_exits_during_start_up_is_named():
 def test_unknown_work_is_refused():
     with pytest.raises(SystemExit):
         peer.main(["--only", "prefill,decode"])
+
+
+def test_peak_memory_counts_descendants_in_their_own_sessions():
+    """`pdserve up` starts its instances in sessions of their own: they count all the same."""
+    child = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+             "'b = bytearray(300 << 20); import time; time.sleep(60)'], "
+             "start_new_session=True); import time; time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        deadline = time.monotonic() + 30
+        while (mb := peer.peak_rss_mb(proc.pid)) < 300 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mb >= 300  # the grandchild's 300 MB, in a session of its own
+    finally:
+        for pid in _descendants(proc.pid):
+            os.kill(pid, 9)
+        proc.kill()
+        proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids] + [d for k in kids for d in _descendants(int(k))]

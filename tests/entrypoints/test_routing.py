@@ -4,6 +4,12 @@ and prompt token counts equal to the server's."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
 import pytest
 
 from pdserve.entrypoints import routing
@@ -186,3 +192,35 @@ def test_max_prefill_queue_takes_a_number_or_off(capsys):
     with pytest.raises(SystemExit):
         parse([*base, "--max-prefill-queue", "lots"])
     assert "expected a number or 'off', not 'lots'" in capsys.readouterr().err
+
+
+def test_a_prefill_that_answers_its_queue_poll_is_up_again():
+    """A prefill that refused a request while starting gets prompts again once it answers
+    the proxy's queue poll, not DOWN_SECONDS later."""
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'pdserve_num_requests_waiting{model_name="m"} 3.0\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pool = Pool("prefill", [Backend(f"http://127.0.0.1:{server.server_port}")], "round_robin")
+    pool.backends[0].mark(reachable=False)
+    assert not pool.backends[0].up
+
+    async def poll_once() -> None:
+        async with httpx.AsyncClient() as client:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(routing.poll_queues(client, pool),
+                                       routing.QUEUE_POLL_SECONDS / 2)
+    try:
+        asyncio.run(poll_once())
+    finally:
+        server.shutdown()
+    assert pool.backends[0].up and pool.backends[0].reported_waiting == 3

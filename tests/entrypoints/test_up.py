@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 
+from pdserve.config import EngineConfig
 from pdserve.engine import core_loan
 from pdserve.entrypoints import up
 
@@ -122,3 +123,22 @@ def test_no_loans_for_prefills_with_ranks_or_when_turned_off(tmp_path, monkeypat
     assert not any(_loan(i) for i in insts.values())
     insts = _plan([], {0, 1}, None, monkeypatch)  # what run() passes for --no-core-loan
     assert not any(_loan(i) for i in insts.values()) and insts["prefill0"].cpus == {0}
+
+
+def test_decodes_take_prompts_in_smaller_chunks_than_prefills():
+    sub = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(sub)
+    for flags, prefill_budget, decode_budget in (
+            ([], str(EngineConfig().max_num_batched_tokens), str(up.UP_DECODE_PROMPT_BUDGET)),
+            (["--max-num-batched-tokens", "1024", "--decode-max-num-batched-tokens", "64"],
+             "1024", "64")):
+        args = sub.choices["up"].parse_args(flags)
+        insts = {i.name: i.argv for i in up.plan(args, up.engine_argv(args))}
+
+        def budget(argv: list[str]) -> str | None:  # the last one given wins
+            at = [i for i, a in enumerate(argv) if a == "--max-num-batched-tokens"]
+            return argv[at[-1] + 1] if at else None
+        assert budget(insts["prefill0"]) == prefill_budget
+        assert budget(insts["decode0"]) == decode_budget
+    bad = sub.choices["up"].parse_args(["--decode-max-num-batched-tokens", "0"])
+    assert up.run(bad) == 2

@@ -24,7 +24,7 @@ from pdserve.entrypoints.serve import add_engine_args, add_server_args
 from pdserve.entrypoints.supervisor import Supervisor
 
 log = logging.getLogger("pdserve.up")
-UP_MAX_PREFILL_QUEUE = 2  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
+UP_MAX_PREFILL_QUEUE = 3  # proxy --max-prefill-queue under pdserve up (docs/benchmarks.md)
 # A decode prefills only what overflows the prefills, recomputes and short prompts; every
 # step of that stalls its streams, so it takes prompts in smaller chunks (docs/benchmarks.md).
 UP_DECODE_PROMPT_BUDGET = 128

@@ -66,24 +66,19 @@ def test_greedy_matches_transformers(family):
 
 def test_chunked_prefill_equals_one_shot(family):
     """A prompt prefilled in chunks of 7 (across blocks, kernel tiles and the window's edge)
-    gives what one chunk gives: the same tokens and log-probabilities (bit for bit where
-    the paged kernels run)."""
+    gives what one chunk gives: the same tokens, log-probabilities within float32 rounding
+    (the attention kernels give the same bits for any chunking, test_paged_attention.py;
+    GEMMs of 7 rows and of 40 may round differently). One request at a time: decodes
+    batched with other requests' chunks would also run GEMMs of other shapes."""
     name, folder, engine, _ = family
     chunked = build_engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=64,
                                         max_num_batched_tokens=7))
-    def requests() -> list[Request]:
-        params = greedy(4, ignore_eos=True, logprobs=True)
-        return [Request(f"{name}-c{i}", p, params) for i, p in enumerate(PROMPTS)]
-
-    want, got = run_engine(engine, requests()), run_engine(chunked, requests())
-    exact = engine.runner.model.paged is not None
-    for key, a in got.items():
-        b = want[key]
-        assert a.token_ids == b.token_ids, (name, key)
-        if exact:
-            assert a.logprobs == b.logprobs, (name, key)
-        else:  # torch's attention sums in another order for another number of queries
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+    for i, prompt in enumerate(PROMPTS):
+        want, got = (run_engine(e, [Request(f"{name}-c{i}", prompt, greedy(
+            4, ignore_eos=True, logprobs=True))])[f"{name}-c{i}"] for e in (engine, chunked))
+        assert got.token_ids == want.token_ids, (name, i)
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) \
+            < 1e-5, (name, i)
 
 
 def test_longrope_is_refused_past_its_original_length(tmp_path, model_folder):

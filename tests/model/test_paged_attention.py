@@ -243,11 +243,11 @@ def test_windows_read_no_block_before_them(dtype):
     pos = 200  # every query (200 .. 300) sees keys from 161 on: blocks 0 .. 9 are unread
     want = torch.empty_like(q[pos:])
     kernel.chunk(q[pos:], want, cache, 0, table, pos, s)
-    lens = torch.tensor([pos + 1, q.shape[0]])
-    decoded = kernel.decode(q[pos:pos + 2], cache, 0, table.expand(2, -1), lens, s)
+    lens, tables = torch.tensor([pos + 1, q.shape[0]]), table.repeat(2, 1)
+    decoded = kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s)
     cache.tensor[table[0, :(pos - s.window + 1) // BS]] = float("nan")
     got = torch.empty_like(q[pos:])
     kernel.chunk(q[pos:], got, cache, 0, table, pos, s)
     assert torch.equal(got, want)
-    assert torch.equal(kernel.decode(q[pos:pos + 2], cache, 0, table.expand(2, -1), lens, s),
+    assert torch.equal(kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s),
                        decoded)

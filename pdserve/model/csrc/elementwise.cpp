@@ -121,8 +121,9 @@ extern "C" void pdserve_silu_mul(int bf16, const void* gate_up, void* out, int64
 }
 
 // qkv: [tokens, (heads + 2 * kv_heads) * dim], the first `rot` dims of each q and k head
-// rotated in place (the rest pass: partial RoPE); cos, sin: [tokens, rot]; k0: the cache at one layer's K of block 0; token t's K/V go to block blocks[t], slot
-// offsets[t]. Strides in elements.
+// rotated in place (the rest pass: partial RoPE); cos, sin: [tokens, rot]; k0: the cache at
+// one layer's K of block 0; token t's K/V go to block blocks[t], slot offsets[t]. Strides in
+// elements.
 extern "C" void pdserve_rope_store(int bf16, void* qkv, const void* cos, const void* sin,
                                    int64_t tokens, int64_t heads, int64_t kv_heads,
                                    int64_t dim, int64_t rot, void* k0,

@@ -2,9 +2,10 @@
 // copy of K/V: decodes (one query token per sequence) and chunks (a prefill's queries of one
 // sequence, causal), each over all earlier keys or, in a sliding-window layer, the last
 // `window` of them (the query's own included, as HF masks). Gemma 2's scores may be
-// soft-capped (cap * tanh(score / cap)) before the softmax. Softmax and sums in float32; a bfloat16 cache on a CPU with bf16 dot
-// products (AVX512-BF16) multiplies in bf16 pairs, its softmax weights rounded to bf16 for
-// the sum over V (as flash attention does), elsewhere float32 multiply-adds throughout.
+// soft-capped (cap * tanh(score / cap)) before the softmax. Softmax and sums in float32; a
+// bfloat16 cache on a CPU with bf16 dot products (AVX512-BF16) multiplies in bf16 pairs, its
+// softmax weights rounded to bf16 for the sum over V (as flash attention does), elsewhere
+// float32 multiply-adds throughout.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -361,9 +362,10 @@ inline void stage_key_pairs(const uint16_t* k0, const int64_t* table, int64_t be
   for (int64_t j = group * kLanes; j < (group + 1) * kLanes; j += 2) {
     const uint16_t* pair[2];
     for (int i = 0; i < 2; ++i)
-      pair[i] = j + i >= begin && j + i < keys ? k0 + table[(j + i) / s.block_size] * s.block + h * s.head +
-                                   (j + i) % s.block_size * s.token
-                             : nullptr;
+      pair[i] = j + i >= begin && j + i < keys
+                    ? k0 + table[(j + i) / s.block_size] * s.block + h * s.head +
+                          (j + i) % s.block_size * s.token
+                    : nullptr;
     for (int i = 0; i < 2; ++i)
       for (int64_t d = 0; d < half; ++d) {
         uint32_t w = 0;

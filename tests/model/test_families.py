@@ -7,6 +7,8 @@ tests/e2e/test_family_serving.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -109,3 +111,28 @@ def test_gemma3_config_forms_agree():
     assert new.layer_windows == (512,) * 5 + (None,) + (512,) * 5 + (None,)
     assert (new.local_rope_theta, new.rope_theta) == (1e4, 1e6)
     assert new.tie_word_embeddings and new.qk_norm and new.norm_offset == 1.0
+
+
+def test_a_multimodal_gemma3_serves_its_language_model(tmp_path, model_folder):
+    """A `gemma3` folder (text_config, weights under model.language_model.) answers as the
+    same weights saved as gemma3_text."""
+    from safetensors.torch import load_file, save_file
+
+    text = write_family_model("gemma3_text", tmp_path / "text", model_folder)
+    both = tmp_path / "multimodal"
+    both.mkdir()
+    weights = load_file(text / "model.safetensors")
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()},
+              both / "model.safetensors")
+    config = json.loads((text / "config.json").read_text())
+    (both / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": config,
+                                                  "eos_token_id": 2}))
+    for f in text.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (both / f.name).symlink_to(f)
+    outs = []
+    for folder in (text, both):
+        engine = build_engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
+        outs.append(run_engine(engine, [Request("m", PROMPTS[1], greedy(
+            4, ignore_eos=True, logprobs=True))])["m"])
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs

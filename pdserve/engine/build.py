@@ -55,9 +55,9 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     model_config = ModelConfig.from_folder(folder)
     if (limit := model_config.long_rope_limit()) and config.max_model_len > limit:
         raise ConfigError(f"{config.model}: past {limit} tokens (its "
-                          "original_max_position_embeddings) transformers switches a sequence "
-                          "to LongRoPE's long factors, which pdserve does not implement; serve "
-                          f"it with --max-model-len {limit} or less")
+                          "original_max_position_embeddings) transformers computes a sequence "
+                          "again with LongRoPE's long factors, which pdserve does not "
+                          f"implement; serve it with --max-model-len {limit} or less")
     tokenizer = Tokenizer.from_folder(folder, list(model_config.eos_token_ids))
     dtype = loader.TORCH_DTYPES[config.dtype]
     try:

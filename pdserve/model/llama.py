@@ -138,8 +138,11 @@ class ModelConfig:
         return Scores(self.gemma.query_scale, self.gemma.attn_softcap, self.window(layer))
 
     def long_rope_limit(self) -> int | None:
-        """LongRoPE's original_max_position_embeddings: past it transformers switches a
-        sequence to its long factors (see _rope_table)."""
+        """LongRoPE's original_max_position_embeddings. Within it transformers rotates with
+        the short factors; once a sequence grows past it, generate drops its cache and
+        computes the whole sequence again with the long factors (Phi-3's
+        prepare_inputs_for_generation), which pdserve does not do: the engine refuses a
+        --max-model-len past it."""
         s = self.rope_scaling
         return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" \
             else None

@@ -233,9 +233,12 @@ FAMILIES = {
               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
               "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 2048},
+    # Phi-3 and Mixtral with a sliding window on every layer (as Phi-3-mini's 2047, Mistral's
+    # 4096), shorter than the test prompts; head_dim 16: torch's attention, not the kernels.
     "phi3": {"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256,
              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
-             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+             "sliding_window": 16},
     # Layer 0 routed over 8 experts (2 a token), layer 1 dense.
     "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256,
                   "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
@@ -245,7 +248,36 @@ FAMILIES = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 128, "intermediate_size": 64,
                 "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
-                "max_position_embeddings": 2048},
+                "max_position_embeddings": 2048, "sliding_window": 16},
+    # Gemma: a sliding layer (window 16, shorter than the test prompts), then a global one;
+    # head_dim 64 (the paged kernels' size), scores scaled by query_pre_attn_scalar.
+    # Gemma 2's caps are low enough that random weights' scores and logits reach them.
+    "gemma2": {"model_type": "gemma2", "hidden_size": 128, "intermediate_size": 256,
+               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "head_dim": 64, "query_pre_attn_scalar": 48, "sliding_window": 16,
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 15.0,
+               "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    # Gemma 3: tied embeddings, q/k norms, a local RoPE base, linear RoPE scaling on the
+    # global layer.
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 128, "intermediate_size": 256,
+                    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_parameters": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                           "rope_theta": 1e6}},
+                    "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 2048},
+    # Phi-4-mini's RoPE: over 3/4 of each head, LongRoPE's factors (short ones within
+    # original_max_position_embeddings) and its attention factor.
+    "phi4_mini": {"model_type": "phi3", "hidden_size": 256, "intermediate_size": 256,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                  "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                  "rope_scaling": {"type": "longrope",
+                                   "short_factor": [1 + i / 48 for i in range(24)],
+                                   "long_factor": [2 + i for i in range(24)]}},
 }
 
 
@@ -256,7 +288,7 @@ def write_family_model(family: str, out: Path, tokenizer_folder: Path, seed: int
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
-    spec = {**FAMILIES[family], "vocab_size": vocab, "tie_word_embeddings": False,
+    spec = {"tie_word_embeddings": False, **FAMILIES[family], "vocab_size": vocab,
             "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(seed)

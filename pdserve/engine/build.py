@@ -53,10 +53,11 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     device = platform.rank_device(dp_rank * tp) if tp > 1 else platform.device()
     folder = loader.resolve(config.model)
     model_config = ModelConfig.from_folder(folder)
-    if (window := model_config.sliding_window) and config.max_model_len > window:
-        raise ConfigError(f"{config.model}: its attention sees only the last {window} tokens "
-                          "(a sliding window), which pdserve does not implement; serve it "
-                          f"with --max-model-len {window} or less")
+    if (limit := model_config.long_rope_limit()) and config.max_model_len > limit:
+        raise ConfigError(f"{config.model}: past {limit} tokens (its "
+                          "original_max_position_embeddings) transformers computes a sequence "
+                          "again with LongRoPE's long factors, which pdserve does not "
+                          f"implement; serve it with --max-model-len {limit} or less")
     tokenizer = Tokenizer.from_folder(folder, list(model_config.eos_token_ids))
     dtype = loader.TORCH_DTYPES[config.dtype]
     try:
@@ -81,7 +82,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     connector = None
     if kv is not None:
         ctx = ConnectorContext(engine_id, dp_rank, tp, config.block_size, cache.block_bytes,
-                               tokenizer.vocab_size)
+                               tokenizer.vocab_size, local.layer_windows)
         connector = make_connector(kv, ctx, cache, platform, side_channel, group, registry)
     runner = ModelRunner(TPModel(model, group) if group else model, cache, Sampler(config.seed))
     return LLMEngine(config, runner, tokenizer, connector, registry, engine_id, dp_rank,

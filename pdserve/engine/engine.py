@@ -170,6 +170,7 @@ class LLMEngine:
         self.allocator.free(out.free_blocks)
         for rid in out.loaded:
             if (req := self.requests.get(rid)) is not None:
+                req.shareable = rid not in out.windowed
                 # Without a first token from the prefill, the last prompt token runs here.
                 self.scheduler.loaded(req, ok=True, recompute_last=req.num_output_tokens == 0)
         for rid in out.recompute:

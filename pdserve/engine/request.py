@@ -64,6 +64,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
     num_registered_blocks: int = 0  # of its blocks, those named in the prefix cache
+    shareable: bool = True  # False: its blocks lack some layers' K/V (a windowed pull)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None

@@ -102,7 +102,8 @@ class Scheduler:
     def cache_computed(self, req: Request) -> None:
         """Offer the request's newly computed full blocks to the prefix cache."""
         full = req.num_computed_tokens // self.config.block_size
-        if full <= req.num_registered_blocks or not self.allocator.prefix_caching:
+        if full <= req.num_registered_blocks or not self.allocator.prefix_caching or \
+                not req.shareable:
             return
         hashes = chain_hashes(req.token_ids, self.config.block_size, req.block_hashes, full)
         for i in range(req.num_registered_blocks, full):
@@ -198,6 +199,7 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = req.num_cached_tokens = req.num_registered_blocks = 0
+        req.shareable = True  # recomputed here, whole
         req.load_remote = False  # its pulled KV is gone with its blocks: recompute it here
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -15,6 +15,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.interface import ConnectorContext, KVConnectorOutput, Load, RemotePrefill
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.params import KVParams
+from pdserve.kv_transfer.read_plan import needed_from
 from pdserve.kv_transfer.transport import DONE, RENEW, Misconfigured, Peer, Transport
 
 log = logging.getLogger("pdserve.kv_transfer")
@@ -46,6 +47,7 @@ class Pull:
     renewed: float = field(default_factory=time.monotonic)
     abandoned: bool = False  # the request ended, or recomputes: only tell the prefill
     held: list[int] = field(default_factory=list)  # an ended request's blocks a READ writes
+    needed_from: list[int] | None = None  # per layer, the first token read (read_plan)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -203,9 +205,12 @@ class Consumer:
                         pull.request_id, FAULT_TRANSFER_DELAY_S)
             time.sleep(FAULT_TRANSFER_DELAY_S)
         pull.local_ids = pull.block_ids[skip:needed]
+        # Sliding layers: only the blocks their windows still see.
+        pull.needed_from = needed_from(self.ctx.layer_windows, pull.num_tokens, skip * k * b)
         try:
             pull.handle = self.transport.read(pull.peer, pull.local_ids,
-                                              pull.remote_ids[skip * k:], pull.message(DONE))
+                                              pull.remote_ids[skip * k:], pull.message(DONE),
+                                              pull.needed_from)
         except (ValueError, RuntimeError) as e:
             pull.handle = None
             self._drop_peer(pull)
@@ -213,6 +218,16 @@ class Consumer:
             return
         pull.started = time.monotonic()
         pull.deadline = pull.started + self.x.transfer_timeout
+        if pull.needed_from is not None:
+            self.metrics.bytes_saved.inc(self._unread_bytes(pull, len(pull.remote_ids) - skip * k,
+                                                            k))
+
+    def _unread_bytes(self, pull: Pull, n: int, k: int) -> int:
+        """This rank's bytes of sliding layers' K/V that a windowed pull of n remote blocks
+        (k to a local one) leaves unread."""
+        per_layer = self.ctx.block_bytes // len(self.ctx.layer_windows) // k
+        return per_layer * sum(min(n, first // pull.peer.block_size)
+                               for first in pull.needed_from)
 
     def _check_read(self, pull: Pull, now: float, out: KVConnectorOutput) -> None:
         state = self.transport.poll(pull.handle)
@@ -230,6 +245,8 @@ class Consumer:
             out.free_blocks += pull.held
             return
         out.loaded.append(pull.request_id)
+        if pull.needed_from is not None:
+            out.windowed.add(pull.request_id)
 
     def _fail(self, pull: Pull, why: str, out: KVConnectorOutput, force: bool = False) -> None:
         """Apply kv_load_failure_policy to a pull that cannot complete."""

@@ -23,6 +23,7 @@ class ConnectorContext:
     block_size: int  # tokens
     block_bytes: int  # of one block on this rank, all layers, K and V
     vocab_size: int
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (ModelConfig)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,9 @@ class Load:
 class KVConnectorOutput:
     """What changed since the engine last asked; the engine applies it."""
     loaded: list[str] = field(default_factory=list)  # requests whose KV landed
+    # Of those, the ones whose sliding layers got only their windows' blocks: their blocks
+    # must not serve other requests from the prefix cache.
+    windowed: set[str] = field(default_factory=set)
     recompute: list[str] = field(default_factory=list)  # pulls given up: prefill here
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error to report
     free_blocks: list[int] = field(default_factory=list)  # held blocks the engine takes back

@@ -20,7 +20,8 @@ class TransferMetrics:
         self.transfers = labelled(Counter, "pdserve_kv_transfers", "KV pulls completed")
         self.bytes = labelled(Counter, "pdserve_kv_transfer_bytes", "KV bytes pulled")
         self.bytes_saved = labelled(Counter, "pdserve_kv_transfer_bytes_saved",
-                                    "KV bytes not pulled: the decode's prefix cache held them")
+                                    "KV bytes not pulled: the decode's prefix cache held them, "
+                                    "or they lie before sliding-window layers' windows")
         self.seconds = labelled(Histogram, "pdserve_kv_transfer_seconds",
                                 "Time of one KV pull, from posting the READ to completion",
                                 buckets=_SECONDS)

@@ -156,11 +156,11 @@ class NixlTransport(Transport):
             self.agent.remove_remote(src.agent)
 
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes) -> Received:
+             notif: bytes, needed_from: list[int] | None = None) -> Received:
         """`local_ids`: blocks of this rank's size, each taking the next k remote blocks."""
         remote: Blocks = peer.info["blocks"]
         notif = tag(notif, peer.info["readers"])
-        xfers = [self._read_source(src, remote, local_ids, remote_ids, notif)
+        xfers = [self._read_source(src, remote, local_ids, remote_ids, notif, needed_from)
                  for src in peer.info["sources"]]
         self.converted += (remote.layout, remote.block_size) != (self.blocks.layout,
                                                                  self.blocks.block_size)
@@ -168,8 +168,10 @@ class NixlTransport(Transport):
                         else None)
 
     def _read_source(self, src: Source, remote: Blocks, local_ids: list[int],
-                     remote_ids: list[int], notif: bytes) -> Xfer:
-        if src.slice.num_heads == self.blocks.heads and remote == self.blocks:  # alike
+                     remote_ids: list[int], notif: bytes, needed_from: list[int] | None
+                     ) -> Xfer:
+        if src.slice.num_heads == self.blocks.heads and remote == self.blocks and \
+                needed_from is None:  # alike, whole blocks
             return self.agent.read(self.region, src.region, local_ids, remote_ids, src.agent,
                                    notif)
         k = self.blocks.block_size // remote.block_size
@@ -184,7 +186,7 @@ class NixlTransport(Transport):
             self.agent.notify(src.agent, notif)
             return Xfer(None, 0, 0, state="DONE")
         ldescs, rdescs = read_descs(self.region, src.region, local_ids, remote_ids, src.slice,
-                                    self.geometry, self.blocks, remote)
+                                    self.geometry, self.blocks, remote, needed_from)
         return self.agent.read_descs(ldescs, rdescs, self.region.mem_type,
                                      src.region.mem_type, src.agent, notif)
 

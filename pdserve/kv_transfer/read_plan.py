@@ -15,6 +15,7 @@ decode's TP size in advance."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,9 +99,13 @@ class Geometry:
 
 
 def read_descs(local: Region, remote: Region, local_ids: list[int], remote_ids: list[int],
-               s: Slice, g: Geometry, lb: Blocks, rb: Blocks) -> tuple[np.ndarray, np.ndarray]:
+               s: Slice, g: Geometry, lb: Blocks, rb: Blocks,
+               needed_from: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """NIXL (N, 3) [addr, len, devid] arrays moving slice `s` of remote blocks `remote_ids`
     into local blocks `local_ids` (k remote blocks to a local one, the last maybe fewer).
+    `needed_from`: per layer, the first token (counted from the first remote block's) any
+    later query of the layer sees; a layer's K/V of blocks wholly before it stay unread
+    (sliding-window layers; 0 for the others).
 
     A remote HND block moves per (layer, K/V, head): b tokens of a head are contiguous on
     both sides. A local NHD block receives them as [k][heads][b][dim] per layer and K/V, for
@@ -129,8 +134,20 @@ def read_descs(local: Region, remote: Region, local_ids: list[int], remote_ids: 
         length = b * rb.heads * row
     raddr = remote.base + np.asarray(remote_ids, dtype=np.int64) * remote.block_bytes
     laddr = local.base + lblock * local.block_bytes + l_sub
-    return _merged(laddr[:, None, None] + l_off[None], raddr[:, None, None] + r_off[None],
-                   length, local.device, remote.device)
+    laddr, raddr = laddr[:, None, None] + l_off[None], raddr[:, None, None] + r_off[None]
+    if needed_from is not None:  # [block, (layer, K/V)]: the block ends at or past it
+        keep = (np.arange(1, n + 1) * b)[:, None] > np.repeat(needed_from, 2)[None, :]
+        laddr, raddr = laddr[keep], raddr[keep]
+    return _merged(laddr, raddr, length, local.device, remote.device)
+
+
+def needed_from(windows: Sequence[int | None], num_tokens: int, first_token: int
+                ) -> list[int] | None:
+    """read_descs' `needed_from` for a prompt of num_tokens whose tokens from first_token
+    are read: what the last prompt token's query (the first the decode may run) sees in
+    each layer. None where every block is needed (no window, or a prompt within it)."""
+    firsts = [max(0, num_tokens - w - first_token) if w else 0 for w in windows]
+    return firsts if any(firsts) else None
 
 
 def _merged(laddr: np.ndarray, raddr: np.ndarray, length: int, ldev: int, rdev: int

@@ -65,9 +65,11 @@ class TPTransport(Transport):
         self.group.send(("kv_forget", peer.host, peer.port))
 
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes) -> TPXfer:
-        xfer = TPXfer(next(self._ids), self.local.read(peer, local_ids, remote_ids, notif))
-        self.group.send(("kv_read", peer.host, peer.port, xfer.id, local_ids, remote_ids, notif))
+             notif: bytes, needed_from: list[int] | None = None) -> TPXfer:
+        xfer = TPXfer(next(self._ids), self.local.read(peer, local_ids, remote_ids, notif,
+                                                       needed_from))
+        self.group.send(("kv_read", peer.host, peer.port, xfer.id, local_ids, remote_ids, notif,
+                         needed_from))
         return xfer
 
     def poll(self, handle: TPXfer) -> XferState:
@@ -159,11 +161,11 @@ class WorkerKV:
         return None
 
     def _read(self, host: str, port: int, xid: int, local_ids: list[int],
-              remote_ids: list[int], notif: bytes) -> None:
+              remote_ids: list[int], notif: bytes, needed_from: list[int] | None) -> None:
         peer = self.peers.get((host, port))
         try:
-            self.xfers[xid] = self.transport.read(peer, local_ids, remote_ids, notif) \
-                if peer is not None else None
+            self.xfers[xid] = self.transport.read(peer, local_ids, remote_ids, notif,
+                                                  needed_from) if peer is not None else None
         except (ValueError, RuntimeError):
             self.xfers[xid] = None
 

@@ -45,10 +45,11 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes) -> Any:
+             notif: bytes, needed_from: list[int] | None = None) -> Any:
         """Start pulling remote blocks into local ones (each local block takes the next
         local_block_size / peer.block_size remote ones); `notif` reaches the peer when
-        done."""
+        done. `needed_from`: per layer, the first token (of those read) still seen; a
+        sliding layer's blocks before it are not read (read_plan.needed_from)."""
 
     @abstractmethod
     def poll(self, handle: Any) -> XferState: ...

@@ -1,8 +1,8 @@
-"""RMSNorm, the MLP's SiLU-gated product, and RoPE with the K/V cache write: pdserve's CPU
-kernels (csrc/elementwise.cpp) where they are built, torch elsewhere. On CPU torch's
-bfloat16 element-wise ops were ~30 % of a 512-token prefill on one thread (the norm alone
-eight ops), and a decode step's rotations and cache writes ~1.7 ms of small ops; the kernels
-do each in one pass, rounding where HF's formulas round."""
+"""RMSNorm, the MLP's SiLU-gated product (GeGLU's: torch), and RoPE with the K/V cache
+write: pdserve's CPU kernels (csrc/elementwise.cpp) where they are built, torch elsewhere.
+On CPU torch's bfloat16 element-wise ops were ~30 % of a 512-token prefill on one thread
+(the norm alone eight ops), and a decode step's rotations and cache writes ~1.7 ms of small
+ops; the kernels do each in one pass, rounding where HF's formulas round."""
 
 from __future__ import annotations
 
@@ -47,22 +47,30 @@ class Elementwise:
                                   out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up (tanh-approximated GELU: Gemma's GeGLU), in torch."""
+        gate, up = gate_up.chunk(2, -1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope_store(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache, layer: int, blocks: torch.Tensor, offsets: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotates the q and k heads of qkv [T, (heads + 2 * kv_heads) * dim] in place with
-        this batch's cos, sin rows [T, dim] (see `rope`), stores k and v in `cache`'s layer
+        this batch's cos, sin rows [T, rot] (see `rope`; rot < dim: only each head's first
+        rot dims, partial RoPE), stores k and v in `cache`'s layer
         at (block, offset) slots, and returns q, k, v as [T, heads or kv_heads, dim] views."""
         kv_heads, dim = cache.shape.num_kv_heads, cache.shape.head_dim
         q, k, v = qkv.view(qkv.shape[0], -1, dim).split([heads, kv_heads, kv_heads], 1)
+        rot = cos.shape[-1]
         if self.lib is None:
-            qk = qkv.view(qkv.shape[0], -1, dim)[:, :heads + kv_heads]
+            qk = qkv.view(qkv.shape[0], -1, dim)[:, :heads + kv_heads, :rot]
             qk.copy_(rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)))
             cache.write(layer, k, v, blocks, offsets)
             return q, k, v
         k0, *strides = cache.layer_slots(layer)
         self.lib.pdserve_rope_store(native.DTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(),
-                                    sin.data_ptr(), qkv.shape[0], heads, kv_heads, dim, k0,
+                                    sin.data_ptr(), qkv.shape[0], heads, kv_heads, dim, rot, k0,
                                     blocks.data_ptr(), offsets.data_ptr(), *strides,
                                     torch.get_num_threads())
         return q, k, v

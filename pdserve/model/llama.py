@@ -1,4 +1,5 @@
-"""Llama-family forward (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Decoder-only forward of the Llama family and its kin (Llama, Mistral, Qwen2/3, Phi-3,
+Gemma 2/3, Qwen3-MoE, Mixtral) over a paged KV cache.
 
 One forward runs a flat batch of tokens from many sequences: the projections and MLP see
 all tokens at once; attention runs single-token queries (decodes) in groups, one call per
@@ -14,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from pdserve.model import loader
+from pdserve.model import attention, gemma, loader
+from pdserve.model.attention import Scores
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import Gemm
@@ -24,7 +25,10 @@ from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
 
 # HF model_type values
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral",
+                 *gemma.ARCHITECTURES)
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")  # sliding windows only with use_sliding_window
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,8 +47,15 @@ class ModelConfig:
     qkv_bias: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
-    sliding_window: int | None = None  # attention sees only the last this many tokens
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before RoPE
+    # Per layer: the sliding window (attention sees only the last this many tokens, its own
+    # included) or None; () when no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    rotary_dim: int = 0  # the dims of each head RoPE rotates, when not all (Phi-4-mini)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
+    norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (offset + weight)
+    activation: str = "silu"  # the MLP's gate: silu | gelu_tanh (GeGLU)
+    gemma: gemma.Gemma | None = None
     # Mixture of experts: the layers whose MLP is routed, and its shape.
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
@@ -54,35 +65,40 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> ModelConfig:
+        c = gemma.text_config(c)
         arch = c.get("model_type", "llama")
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported model_type {arch!r}; supported: "
                              f"{', '.join(ARCHITECTURES)}")
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        extra = gemma.config_fields(c) if arch in gemma.ARCHITECTURES else {}
+        rope = extra.pop("rope_parameters", None) or c.get("rope_parameters") or \
+            c.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r}")
-        if c.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"unsupported partial_rotary_factor {c['partial_rotary_factor']} "
-                             "(RoPE over part of each head)")
-        window = c.get("sliding_window") if c.get("use_sliding_window", arch not in (
-            "qwen2", "qwen3")) else None
+        if arch == "phi3" and rope_type in ("su", "yarn"):  # transformers' names for LongRoPE
+            rope_type = "longrope"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: "
+                             f"{', '.join(ROPE_TYPES)})")
         eos = c.get("eos_token_id")
         heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
             num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            head_dim=head_dim, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-            rope_scaling=rope if rope_type == "llama3" else None,
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            rope_scaling=_rope_scaling(rope_type, rope, c),
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+            tie_word_embeddings=c.get("tie_word_embeddings", arch in gemma.ARCHITECTURES),
             qkv_bias=c.get("attention_bias", arch == "qwen2"),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None
                                 else []),
-            qk_norm=arch in ("qwen3", "qwen3_moe"), sliding_window=window, **_moe(arch, c),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
+            layer_windows=extra.pop("layer_windows", None) or _windows(arch, c),
+            **_moe(arch, c), **extra,
         )
 
     @classmethod
@@ -112,6 +128,24 @@ class ModelConfig:
             self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
             intermediate_size=self.intermediate_size // tp_size,
             expert_size=self.expert_size // tp_size)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def scores(self, layer: int) -> Scores:
+        if self.gemma is None:
+            return Scores(self.head_dim ** -0.5, None, self.window(layer))
+        return Scores(self.gemma.query_scale, self.gemma.attn_softcap, self.window(layer))
+
+    def long_rope_limit(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings. Within it transformers rotates with
+        the short factors; once a sequence grows past it, generate drops its cache and
+        computes the whole sequence again with the long factors (Phi-3's
+        prepare_inputs_for_generation), which pdserve does not do: the engine refuses a
+        --max-model-len past it."""
+        s = self.rope_scaling
+        return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" \
+            else None
 
     def kv_shape(self, block_size: int, layout: str) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, block_size, layout)
@@ -177,10 +211,14 @@ class Layer:
     q_norm: torch.Tensor | None  # [head_dim], with k_norm (Qwen3)
     k_norm: torch.Tensor | None
     o: torch.Tensor
-    ln2: torch.Tensor
+    ln2: torch.Tensor  # before the MLP
     gate_up: torch.Tensor | None  # a dense MLP's, or
     down: torch.Tensor | None
     experts: Experts | None  # a mixture of experts
+    scores: Scores  # its attention's scale, cap and window
+    rope: int = 0  # which of the model's RoPE tables (Gemma 3: 1 for sliding layers)
+    post_attn: torch.Tensor | None = None  # Gemma: norms of the attention's and the MLP's
+    post_mlp: torch.Tensor | None = None  # outputs, before the residual sum
 
 
 class LlamaModel:
@@ -209,6 +247,8 @@ class LlamaModel:
             if name not in weights:
                 raise ValueError(f"weights are missing tensor {name!r}")
             t = weights[name]
+            if name.endswith("norm.weight") and config.norm_offset:  # before rounding
+                t = t.float() + config.norm_offset
             stem = name.split(".")[-2]
             part = stem.removesuffix("_proj") if stem.endswith("_proj") else None
             if part in sizes:  # this rank's rows (column-parallel) or columns (row-parallel)
@@ -230,6 +270,11 @@ class LlamaModel:
                             for x in e], config.experts_per_token, config.renormalise_experts)
 
         p = "model.layers."
+        g = config.gemma is not None  # Gemma's post_attention_layernorm follows attention
+
+        def gemma_norm(i: int, name: str) -> torch.Tensor | None:
+            return w(f"{p}{i}.{name}.weight") if g else None
+
         # Fused projections: one GEMM for q/k/v and one for gate/up.
         self.layers = [Layer(
             ln1=w(f"{p}{i}.input_layernorm.weight"),
@@ -239,17 +284,26 @@ class LlamaModel:
             q_norm=w(f"{p}{i}.self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=w(f"{p}{i}.self_attn.k_norm.weight") if config.qk_norm else None,
             o=gemm.weight(w(f"{p}{i}.self_attn.o_proj.weight")),
-            ln2=w(f"{p}{i}.post_attention_layernorm.weight"),
+            ln2=w(f"{p}{i}.{'pre_feedforward' if g else 'post_attention'}_layernorm.weight"),
             gate_up=None if i in config.moe_layers else mlp(f"{p}{i}.mlp"),
             down=None if i in config.moe_layers else
             gemm.weight(w(f"{p}{i}.mlp.down_proj.weight")),
-            experts=experts(i),
+            experts=experts(i), scores=config.scores(i),
+            rope=int(config.local_rope_theta is not None and config.window(i) is not None),
+            post_attn=gemma_norm(i, "post_attention_layernorm"),
+            post_mlp=gemma_norm(i, "post_feedforward_layernorm"),
         ) for i in range(config.num_layers)]
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.lm_head = gemm.weight(self.embed if config.tie_word_embeddings
                                    else w("lm_head.weight"))
-        self.cos, self.sin = _rope_table(config, max_len, device)
+        self.ropes = [_rope_table(config, theta, config.rope_scaling if i == 0 else None,
+                                  max_len, device)
+                      for i, theta in enumerate([config.rope_theta, config.local_rope_theta])
+                      if theta is not None]
+        self.embed_scale = gemma.embed_scale(config.hidden_size, dtype) if g else None
+        self.mlp_act = self.ops.gelu_tanh_mul if config.activation == "gelu_tanh" \
+            else self.ops.silu_mul
         # Called before each layer's attention and each of its MLP's GEMMs, a few ms apart in
         # a prefill: one borrowing idle cores adjusts its threads there (engine/core_loan.py).
         self.checkpoint: Callable[[], None] = lambda: None
@@ -259,8 +313,10 @@ class LlamaModel:
         """Run the batch, store its K/V in `cache`, return float32 logits [B, vocab]."""
         c = self.config
         h = self.embed[batch.input_ids]
-        cos = self.cos[batch.positions].to(self.dtype)
-        sin = self.sin[batch.positions].to(self.dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        ropes = [(cos[batch.positions].to(self.dtype), sin[batch.positions].to(self.dtype))
+                 for cos, sin in self.ropes]
         linear = self.gemm
         for i, layer in enumerate(self.layers):
             self.checkpoint()
@@ -268,19 +324,25 @@ class LlamaModel:
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
-            q, k, v = self.ops.rope_store(qkv, c.num_heads, cos, sin, cache, i,
+            q, k, v = self.ops.rope_store(qkv, c.num_heads, *ropes[layer.rope], cache, i,
                                           batch.slot_blocks, batch.slot_offsets)
-            h = h + self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
+            out = self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
+            h = h + self._post_norm(out, layer.post_attn)
             self.checkpoint()
             x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
             if layer.experts is not None:
                 h = h + self.all_reduce(layer.experts(x, linear, self.ops))
                 continue
-            x = self.ops.silu_mul(linear(x, layer.gate_up))
+            x = self.mlp_act(linear(x, layer.gate_up))
             self.checkpoint()
-            h = h + self.all_reduce(linear(x, layer.down))
+            h = h + self._post_norm(self.all_reduce(linear(x, layer.down)), layer.post_mlp)
         h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        # The sampler and logprobs see the capped logits, as HF's generate does.
+        return gemma.softcap(linear(h, self.lm_head).float(),
+                             c.gemma.final_softcap if c.gemma else None)
+
+    def _post_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else self.ops.rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _qk_norm(self, qkv: torch.Tensor, layer: Layer) -> None:
         """Normalise each head of q and k (the first two parts of qkv), in place."""
@@ -295,34 +357,52 @@ class LlamaModel:
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: Batch, cache: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)
+        scores = self.layers[layer].scores
         for d in batch.decodes:
             if self.paged is not None:
-                out[d.index] = self.paged.decode(q[d.index], cache, layer, d.tables, d.lens)
+                out[d.index] = self.paged.decode(q[d.index], cache, layer, d.tables, d.lens,
+                                                 scores)
                 continue
             kc, vc = cache.gather(layer, d.tables)
-            # The query heads sharing a KV head are that head's rows: GQA without expanding K/V.
-            qd = q[d.index].unflatten(1, (kc.shape[1], -1))  # [g, kv_heads, group, dim]
-            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=d.mask)
-            out[d.index] = o.flatten(1, 2)
+            out[d.index] = attention.decode(q[d.index], kc, vc, d.lens, d.mask, scores)
         for ch in batch.chunks:
             if self.paged is not None:
                 self.paged.chunk(q[ch.start:ch.end], out[ch.start:ch.end], cache, layer,
-                                 ch.table, ch.pos)
+                                 ch.table, ch.pos, scores)
                 continue
-            qc = q[ch.start:ch.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if ch.pos == 0:  # nothing cached before this chunk: attend to its own K/V
-                kc = k[ch.start:ch.end].transpose(0, 1).unsqueeze(0)
-                vc = v[ch.start:ch.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+                kc, vc = k[ch.start:ch.end].transpose(0, 1), v[ch.start:ch.end].transpose(0, 1)
             else:
-                n = ch.end - ch.start
-                kc, vc = cache.gather(layer, ch.table)
-                kc, vc = kc[:, :, :ch.pos + n], vc[:, :, :ch.pos + n]
-                keys = torch.arange(ch.pos + n, device=q.device)
-                mask = keys.unsqueeze(0) <= keys[ch.pos:].unsqueeze(1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-            out[ch.start:ch.end] = o.squeeze(0).transpose(0, 1)
+                kc, vc = (x[0] for x in cache.gather(layer, ch.table))
+            out[ch.start:ch.end] = attention.chunk(q[ch.start:ch.end], kc, vc, ch.pos, scores)
         return out.flatten(1)
+
+
+def _windows(arch: str, c: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers assigns them: layer_types where the
+    config lists them; Qwen's layers from max_window_layers on; else every layer."""
+    window = c.get("sliding_window")
+    if not window or not c.get("use_sliding_window", arch not in _QWEN):
+        return ()
+    if types := c.get("layer_types"):
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    first = c.get("max_window_layers", 0) if arch in _QWEN else 0
+    return tuple(window if i >= first else None for i in range(c["num_hidden_layers"]))
+
+
+def _rope_scaling(kind: str, rope: dict, c: dict) -> dict | None:
+    """The RoPE scaling parameters _rope_table reads, with transformers' defaults filled in."""
+    if kind == "default":
+        return None
+    if kind != "longrope":
+        return {**rope, "rope_type": kind}
+    old = rope.get("original_max_position_embeddings") or c["original_max_position_embeddings"]
+    factor = rope.get("factor") or c["max_position_embeddings"] / old
+    scale = rope.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1 else 1.0)
+    return {"rope_type": kind, "short_factor": rope["short_factor"],
+            "long_factor": rope["long_factor"], "original_max_position_embeddings": old,
+            "attention_factor": scale}
 
 
 def _moe(arch: str, c: dict) -> dict:
@@ -347,15 +427,22 @@ def _moe(arch: str, c: dict) -> dict:
 # Mixtral's names for its routed MLP, and Qwen3-MoE's (Llama's style) for the same.
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                   (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+# A multimodal Gemma 3's language model (transformers 5's names, then earlier ones).
+_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
 
 
 def _unfused(weights: dict[str, torch.Tensor], config: ModelConfig
              ) -> dict[str, torch.Tensor]:
     """Weights under one set of names. Phi-3 stores q/k/v as one qkv_proj and gate/up as
     one gate_up_proj: split into Llama's names, so that tensor parallelism slices each part
-    (the fused tensors hold every rank's heads). Mixtral's experts are renamed."""
+    (the fused tensors hold every rank's heads). Mixtral's experts are renamed, and a
+    multimodal Gemma 3's language model (its vision tower is left unread)."""
     out = {}
     for name, t in weights.items():
+        for old, new in _LM_PREFIXES:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
         if ".block_sparse_moe." in name:
             for old, new in _MIXTRAL_NAMES:
                 name = name.replace(old, new)
@@ -374,13 +461,27 @@ def _unfused(weights: dict[str, torch.Tensor], config: ModelConfig
     return out
 
 
-def _rope_table(c: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32)
-                                       / c.head_dim))
-    if c.rope_scaling:
-        inv_freq = _llama3_scaling(inv_freq, c.rope_scaling)
+def _rope_table(c: ModelConfig, theta: float, scaling: dict | None, max_len: int, device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_len, rotary dims] for positions 0 .. max_len - 1 (sin with
+    rotate_half's sign in its first half). LongRoPE: its short factors, which transformers
+    uses while a sequence is within original_max_position_embeddings (the engine refuses
+    longer ones), and its attention factor on both."""
+    dim = c.rotary_dim or c.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    kind, gain = scaling["rope_type"] if scaling else "default", 1.0
+    if kind == "longrope":
+        factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        inv_freq = 1.0 / (factors * theta ** exponents)
+        gain = scaling["attention_factor"]
+    else:
+        inv_freq = 1.0 / (theta ** exponents)
+    if kind == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos() * gain, freqs.sin() * gain
     return torch.cat((cos, cos), -1).to(device), torch.cat((-sin, sin), -1).to(device)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model import native
+from pdserve.model.attention import Scores
 from pdserve.model.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128)  # the kernels' instantiations
@@ -37,9 +38,10 @@ class PagedAttention:
         return cls(lib) if lib else None
 
     def decode(self, q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Tensor,
-               lens: torch.Tensor) -> torch.Tensor:
+               lens: torch.Tensor, s: Scores) -> torch.Tensor:
         """Attention of single-token queries q [seqs, heads, dim] over the first lens[i]
-        cached tokens of block table row i; returns [seqs, heads, dim]."""
+        cached tokens of block table row i (their last s.window, in a window); returns
+        [seqs, heads, dim]. Blocks wholly before a window are not read."""
         q = q.contiguous()
         out = torch.empty_like(q)
         k0, block, kv, token, head = cache.layer_slots(layer)
@@ -48,22 +50,23 @@ class PagedAttention:
             native.DTYPES[cache.tensor.dtype], q.data_ptr(), out.data_ptr(), k0,
             tables.data_ptr(), lens.data_ptr(), seqs, tables.shape[1], heads,
             cache.shape.num_kv_heads, dim, cache.shape.block_size, block, kv, token, head,
-            dim ** -0.5, torch.get_num_threads()), heads, cache, dim)
+            *_scores(s), torch.get_num_threads()), heads, cache, dim)
         return out
 
     def chunk(self, q: torch.Tensor, out: torch.Tensor, cache: KVCache, layer: int,
-              table: torch.Tensor, pos: int) -> None:
+              table: torch.Tensor, pos: int, s: Scores) -> None:
         """Causal attention of one sequence's query tokens q [n, heads, dim] at positions
         pos, pos + 1, ... (their K/V already cached) into out [n, heads, dim]: token i
-        attends to the first pos + i + 1 tokens of block table `table` [1, m]. q and out
-        may be row slices of larger tensors (each token's heads contiguous)."""
+        attends to the first pos + i + 1 tokens of block table `table` [1, m] (the last
+        s.window of them, in a window; keys before every query's window are not read). q and
+        out may be row slices of larger tensors (each token's heads contiguous)."""
         n, heads, dim = q.shape
         assert q.stride()[1:] == out.stride()[1:] == (dim, 1), "heads must be contiguous"
         k0, block, kv, token, head = cache.layer_slots(layer)
         self._check(self.lib.pdserve_paged_chunk(
             native.DTYPES[cache.tensor.dtype], q.data_ptr(), q.stride(0), out.data_ptr(),
             out.stride(0), k0, table.data_ptr(), n, pos, heads, cache.shape.num_kv_heads, dim,
-            cache.shape.block_size, block, kv, token, head, dim ** -0.5,
+            cache.shape.block_size, block, kv, token, head, *_scores(s),
             torch.get_num_threads()), heads, cache, dim)
 
     @staticmethod
@@ -71,3 +74,8 @@ class PagedAttention:
         if rc:
             raise RuntimeError(f"paged attention kernel has no variant for {heads} heads, "
                                f"{cache.shape.num_kv_heads} KV heads, head_dim {dim}")
+
+
+def _scores(s: Scores) -> tuple[float, float, int]:
+    """The kernels' scale, cap and window arguments (0: none)."""
+    return s.scale, s.cap or 0.0, s.window or 0

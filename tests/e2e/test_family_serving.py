@@ -1,7 +1,8 @@
 """P/D and tensor parallelism for the model families beside Llama, on real processes: for
 each, a prefill and a decode (kv_both servers of a small random model made by transformers),
 the disaggregated answer equal to the decode's monolithic one token for token, the pools
-whole after; and a TP=2 server (heads, MLP and experts split, Phi-3's fused weights split
+whole after (sliding-window models pull, for their sliding layers, only the blocks the
+window still sees); and a TP=2 server (heads, MLP and experts split, Phi-3's fused weights split
 before slicing) answering as transformers does (the near-tie rule)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from pdserve.model.llama import ModelConfig
 from tests.e2e.cluster import kv_config, pools_whole, remote_pd, serve, stop
 from tests.utils import (
     FAMILIES,
@@ -43,7 +45,7 @@ def _tokens(r: httpx.Response) -> list[str]:
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def test_pd_equals_monolithic(pair):
+def test_pd_equals_monolithic(family, pair):
     prefill, decode = pair
     for prompt in PROMPTS:
         want = _tokens(httpx.post(decode + "/v1/completions", timeout=120,
@@ -51,6 +53,9 @@ def test_pd_equals_monolithic(pair):
         pulled = metric(decode, "pdserve_kv_transfers_total")
         assert _tokens(remote_pd(prefill, decode, {**BODY, "prompt": prompt})) == want
         assert metric(decode, "pdserve_kv_transfers_total") == pulled + 1
+    # The 40-token prompt's first block lies before a 16-token window's: not pulled.
+    windowed = any(ModelConfig.from_folder(family).layer_windows)
+    assert (metric(decode, "pdserve_kv_transfer_bytes_saved_total") > 0) == windowed
     pools_whole(prefill, decode)
 
 

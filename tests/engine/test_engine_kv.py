@@ -99,6 +99,21 @@ def test_a_loaded_request_runs_from_its_first_token(make, first):
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("windowed", [False, True])
+def test_a_windowed_pull_keeps_its_blocks_out_of_the_prefix_cache(make, windowed):
+    """Blocks whose sliding layers were not pulled (before their window) must not serve
+    another request's prefix: they lack those layers' K/V."""
+    conn = Scripted()
+    engine = make(conn)
+    assert engine.allocator.prefix_caching
+    req = _loading(engine, conn, FirstToken(7, -0.1))
+    conn.next = KVConnectorOutput(loaded=["d1"], windowed={"d1"} if windowed else set())
+    engine.step()
+    assert req.num_registered_blocks == (0 if windowed else len(PROMPT) // 16)
+    engine.abort_request("d1")
+    assert_idle(engine)
+
+
 def test_a_recomputed_request_answers_as_if_never_remote(make, engine_f32):
     want = run_engine(engine_f32, [Request("mono", PROMPT, greedy(4))])["mono"]
     conn = Scripted()

@@ -49,7 +49,7 @@ class FakeTransport(Transport):
     def forget(self, peer):
         self.forgotten.append(peer)
 
-    def read(self, peer, local_ids, remote_ids, notif):
+    def read(self, peer, local_ids, remote_ids, notif, needed_from=None):
         h = SimpleNamespace(local=local_ids, remote=remote_ids, notif=notif, state="PROC")
         self.reads.append(h)
         return h

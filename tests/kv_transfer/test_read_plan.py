@@ -81,14 +81,22 @@ UNLIKE = [(rl, ll, p, d, k) for rl in ("HND", "NHD") for ll in ("HND", "NHD")
           if p == d or rl == "HND"]
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["global", "sliding"])
 @pytest.mark.parametrize(("remote_layout", "local_layout", "p", "d", "k"), UNLIKE)
 def test_descriptors_and_permutation_rebuild_the_decodes_blocks(remote_layout, local_layout,
-                                                                p, d, k):
+                                                                p, d, k, window):
     """Copy bytes as the descriptors say from each prefill rank's cache (its layout, block
     size b) into each decode rank's (its layout, block size k * b), permute what arrived;
-    the decode's blocks must then hold every token's KV of its heads, exactly."""
+    the decode's blocks must then hold every token's KV of its heads, exactly. With a
+    sliding window on layer 0, its prefill blocks wholly before the last token's window
+    stay unread (zeros)."""
     layers, heads, b, dim, tokens = 2, 4, 2, 3, 19
     kv = torch.randn(layers, 2, tokens, heads, dim)
+    needed = read_plan.needed_from([window, None], tokens, 0)
+    expected = kv.clone()
+    if window:  # the last token (18) sees 14 .. 18: prefill blocks 0 .. 6 are not read
+        assert needed == [14, 0]
+        expected[0, :, :14] = 0
     geo = Geometry(layers, dim, kv.element_size())
     remote_ids = [5, 3, 7, 0, 8, 2, 9, 1, 4, 6][:-(-tokens // b)]
     local_ids = [3, 0, 5, 1, 2, 4, 11, 7, 9, 6, 10, 8][:-(-tokens // (k * b))]
@@ -101,13 +109,13 @@ def test_descriptors_and_permutation_rebuild_the_decodes_blocks(remote_layout, l
         dst = _cache(kv, local_layout, k * b, mine, 12, [])  # all zeros
         for s in plan(heads, p, d, r):
             loc, rem = (Region.from_tensor(t, t.shape[0]) for t in (dst, src[s.src]))
-            ld, rd = read_descs(loc, rem, local_ids, remote_ids, s, geo, lb, rb)
+            ld, rd = read_descs(loc, rem, local_ids, remote_ids, s, geo, lb, rb, needed)
             assert (ld[:, 1] == rd[:, 1]).all()
             for (la, n, _), (ra, _, _) in zip(ld.tolist(), rd.tolist(), strict=True):
                 _copy(dst, la - loc.base, src[s.src], ra - rem.base, n)
         if remote_layout != local_layout:
             permute_received(dst, local_ids, lb, rb)
-        want = _cache(kv, local_layout, k * b, mine, 12, local_ids)
+        want = _cache(expected, local_layout, k * b, mine, 12, local_ids)
         assert torch.equal(dst[local_ids], want[local_ids])
         others = [i for i in range(12) if i not in local_ids]
         assert not dst[others].any()  # nothing written outside the pulled blocks

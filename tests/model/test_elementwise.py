@@ -51,14 +51,16 @@ def test_accelerators_keep_torch():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "tokens"),
-                         [(9, 3, 64, 5), (4, 2, 40, 300)])  # 40: a half that is not 16-wide
-def test_rope_store(dtype, layout, heads, kv_heads, dim, tokens):
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "tokens", "rot"),
+                         [(9, 3, 64, 5, 64), (4, 2, 40, 300, 40),  # 40: a half not 16-wide
+                          (4, 2, 64, 7, 48)])  # partial RoPE (Phi-4-mini's 3/4)
+def test_rope_store(dtype, layout, heads, kv_heads, dim, tokens, rot):
     """bf16: the same bits as torch's rotation and cache write, in place and in the cache;
-    float32: a product may be fused into the sum (one rounding fewer)."""
+    float32: a product may be fused into the sum (one rounding fewer). Dims past `rot`
+    pass unrotated."""
     g = torch.Generator().manual_seed(tokens + dim)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
-    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    angles = torch.rand(tokens, rot // 2, generator=g) * 100
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
     slots = torch.randperm(32 * 16, generator=g)[:tokens]  # scattered, one token each
@@ -69,6 +71,8 @@ def test_rope_store(dtype, layout, heads, kv_heads, dim, tokens):
         x = qkv.clone()
         q, k, v = ops.rope_store(x, heads, cos, sin, cache, 1, blocks, offsets)
         assert q.shape == (tokens, heads, dim) and k.shape == v.shape == (tokens, kv_heads, dim)
+        assert torch.equal(x.view(tokens, -1, dim)[:, :, rot:],
+                           qkv.view(tokens, -1, dim)[:, :, rot:])
         out.append((x, cache.tensor))
     for got, want in zip(out[0], out[1], strict=True):  # qkv, then the cache
         if dtype == torch.bfloat16:

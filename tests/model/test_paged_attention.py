@@ -1,5 +1,6 @@
 """The paged attention kernels (decode and chunk) against the gather + torch attention paths
-they replace."""
+they replace; sliding windows and soft-capped scores (Gemma) against a plain reference, for
+the kernels and the torch paths alike."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.model import attention
+from pdserve.model.attention import Scores
 from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.llama import DecodeGroup
 from pdserve.model.paged_attention import PagedAttention
 
 BS = 16
+PLAIN = Scores(64 ** -0.5)  # head_dim 64's
 # Lengths under one block, exactly one, one past a block edge, and several blocks.
 LENS = [1, 5, 16, 17, 130, 301]
 
@@ -47,7 +51,7 @@ def test_matches_attention_float32(layout, heads, kv_heads, dim):
     assert kernel is not None, "the kernel did not build (is g++ on PATH?)"
     cache, group, q = _case(layout, torch.float32, heads, kv_heads, dim)
     for layer in range(3):
-        got = kernel.decode(q, cache, layer, group.tables, group.lens)
+        got = kernel.decode(q, cache, layer, group.tables, group.lens, Scores(dim ** -0.5))
         torch.testing.assert_close(got, _reference(q, cache, layer, group), atol=2e-6, rtol=1e-5)
 
 
@@ -59,7 +63,7 @@ def test_bfloat16_as_close_as_torchs_bfloat16_attention(layout):
     error (torch keeps a lone query's weights in float32: 1.25x less error here)."""
     kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, group, q = _case(layout, torch.bfloat16, 9, 3, 64)
-    got = kernel.decode(q, cache, 1, group.tables, group.lens).float()
+    got = kernel.decode(q, cache, 1, group.tables, group.lens, PLAIN).float()
     want = _reference(q, cache, 1, group)
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
     err = (got - want).abs()
@@ -78,12 +82,12 @@ def test_results_do_not_depend_on_threads_or_batch():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        both = kernel.decode(q, cache, 0, group.tables, group.lens)
+        both = kernel.decode(q, cache, 0, group.tables, group.lens, PLAIN)
         torch.set_num_threads(1)
-        one = kernel.decode(q, cache, 0, group.tables, group.lens)
+        one = kernel.decode(q, cache, 0, group.tables, group.lens, PLAIN)
     finally:
         torch.set_num_threads(threads)
-    alone = kernel.decode(q[4:5], cache, 0, group.tables[4:5], group.lens[4:5])
+    alone = kernel.decode(q[4:5], cache, 0, group.tables[4:5], group.lens[4:5], PLAIN)
     assert torch.equal(both, one)
     assert torch.equal(alone, one[4:5])
 
@@ -128,7 +132,7 @@ def test_chunk_matches_causal_attention_float32(layout, heads, kv_heads, dim):
     cache, table, q = _chunk_case(layout, torch.float32, heads, kv_heads, dim)
     for pos, n in CHUNKS:
         out = torch.full_like(q[pos:pos + n], float("nan"))
-        kernel.chunk(q[pos:pos + n], out, cache, 1, table, pos)
+        kernel.chunk(q[pos:pos + n], out, cache, 1, table, pos, Scores(dim ** -0.5))
         torch.testing.assert_close(out, _chunk_reference(q[pos:pos + n], cache, 1, table, pos),
                                    atol=2e-6, rtol=1e-5)
 
@@ -142,7 +146,7 @@ def test_chunk_bfloat16_as_close_as_torchs_bfloat16_attention():
     kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, table, q = _chunk_case("NHD", torch.bfloat16, 9, 3, 64)
     out = torch.empty_like(q)
-    kernel.chunk(q, out, cache, 0, table, 0)
+    kernel.chunk(q, out, cache, 0, table, 0, PLAIN)
     want = _chunk_reference(q, cache, 0, table, 0)
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
     err = (out.float() - want).abs()
@@ -154,19 +158,21 @@ def test_chunk_bfloat16_as_close_as_torchs_bfloat16_attention():
     assert err.mean() <= 1.1 * torch_err.mean(), (err.mean(), torch_err.mean())
 
 
-def test_chunk_results_do_not_depend_on_chunking_or_threads():
+@pytest.mark.parametrize("scores", [PLAIN, Scores(0.1, 2.0, 40)], ids=["plain", "window"])
+def test_chunk_results_do_not_depend_on_chunking_or_threads(scores):
     """A prompt computed in one chunk, in several (chunked prefill, a prefix-cache hit), or
-    on another thread count gives bit-identical outputs: monolithic = disaggregated."""
+    on another thread count gives bit-identical outputs: monolithic = disaggregated. In a
+    window too: a tile's first span depends on its position only."""
     kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, table, q = _chunk_case("HND", torch.bfloat16, 9, 3, 64)
     whole, pieces = torch.empty_like(q), torch.empty_like(q)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        kernel.chunk(q, whole, cache, 0, table, 0)
+        kernel.chunk(q, whole, cache, 0, table, 0, scores)
         torch.set_num_threads(1)
         for start, end in [(0, 5), (5, 16), (16, 150), (150, 151), (151, 301)]:
-            kernel.chunk(q[start:end], pieces[start:end], cache, 0, table, start)
+            kernel.chunk(q[start:end], pieces[start:end], cache, 0, table, start, scores)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(whole, pieces)
@@ -179,7 +185,69 @@ def test_chunk_reads_queries_and_writes_outputs_as_row_slices():
     cache, table, q = _chunk_case("NHD", torch.float32, 9, 3, 64, keys=40)
     qkv = torch.cat([q, torch.randn(40, 6, 64)], 1)  # q heads first, as in the model
     out = torch.zeros(50, 9, 64)
-    kernel.chunk(qkv[:, :9], out[10:], cache, 0, table, 0)
+    kernel.chunk(qkv[:, :9], out[10:], cache, 0, table, 0, PLAIN)
     assert torch.equal(out[:10], torch.zeros(10, 9, 64))
     torch.testing.assert_close(out[10:], _chunk_reference(q, cache, 0, table, 0),
                                atol=2e-6, rtol=1e-5)
+
+
+def _plain_attention(q, k, v, visible, s: Scores) -> torch.Tensor:
+    """q [n, heads, dim], k, v [kv_heads, m, dim], visible [n, m]: float64, by the formula."""
+    group = q.shape[1] // k.shape[0]
+    k, v = (x.double().repeat_interleave(group, 0) for x in (k, v))
+    scores = torch.einsum("nhd,hmd->hnm", q.double(), k) * s.scale
+    if s.cap:
+        scores = torch.tanh(scores / s.cap) * s.cap
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return torch.einsum("hnm,hmd->nhd", weights, v)
+
+
+WINDOWED = [Scores(0.125, None, 37), Scores(0.2, 1.5, 20), Scores(0.2, 3.0, None)]
+
+
+@pytest.mark.parametrize("s", WINDOWED, ids=["window", "window+cap", "cap"])
+def test_windows_and_caps_float32(s):
+    """Each query sees only its last `window` keys (its own included) and capped scores:
+    the kernels and the torch paths against the formula."""
+    kernel = PagedAttention.for_model(9, 3, 64, torch.float32, "cpu")
+    cache, table, q = _chunk_case("HND", torch.float32, 9, 3, 64)
+    kc, vc = (x[0] for x in cache.gather(1, table))
+    keys = torch.arange(q.shape[0])
+    for pos, n in CHUNKS:
+        want = _plain_attention(q[pos:pos + n], kc[:, :pos + n], vc[:, :pos + n],
+                                s.visible(keys[:pos + n], keys[pos:pos + n]), s).float()
+        out = torch.empty_like(q[pos:pos + n])
+        kernel.chunk(q[pos:pos + n], out, cache, 1, table, pos, s)
+        torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(attention.chunk(q[pos:pos + n], kc, vc, pos, s), want,
+                                   atol=2e-6, rtol=1e-5)
+    cache, group, q = _case("NHD", torch.float32, 9, 3, 64)
+    kc, vc = cache.gather(1, group.tables)
+    got = kernel.decode(q, cache, 1, group.tables, group.lens, s)
+    torch_path = attention.decode(q, kc, vc, group.lens, group.mask, s)
+    for i, n in enumerate(LENS):
+        keys = torch.arange(n)
+        want = _plain_attention(q[i:i + 1], kc[i, :, :n], vc[i, :, :n],
+                                s.visible(keys, keys[-1:]), s).float()[0]
+        torch.testing.assert_close(got[i], want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(torch_path[i], want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_read_no_block_before_them(dtype):
+    """Blocks wholly before every query's window are not read (a decode that pulled only
+    the window's blocks leaves them unwritten): NaN there changes nothing."""
+    kernel = PagedAttention.for_model(9, 3, 64, dtype, "cpu")
+    s = Scores(0.125, None, 40)
+    cache, table, q = _chunk_case("NHD", dtype, 9, 3, 64)
+    pos = 200  # every query (200 .. 300) sees keys from 161 on: blocks 0 .. 9 are unread
+    want = torch.empty_like(q[pos:])
+    kernel.chunk(q[pos:], want, cache, 0, table, pos, s)
+    lens, tables = torch.tensor([pos + 1, q.shape[0]]), table.repeat(2, 1)
+    decoded = kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s)
+    cache.tensor[table[0, :(pos - s.window + 1) // BS]] = float("nan")
+    got = torch.empty_like(q[pos:])
+    kernel.chunk(q[pos:], got, cache, 0, table, pos, s)
+    assert torch.equal(got, want)
+    assert torch.equal(kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s),
+                       decoded)

@@ -71,14 +71,14 @@ struct CacheSlots {  // element strides of the cache from one layer's K of block
 
 template <typename T>
 void rope_store(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t heads,
-                int64_t kv_heads, int64_t dim, T* k0, const int64_t* blocks,
+                int64_t kv_heads, int64_t dim, int64_t rot, T* k0, const int64_t* blocks,
                 const int64_t* offsets, CacheSlots s, int threads) {
-  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  const int64_t half = rot / 2, width = (heads + 2 * kv_heads) * dim;
 #pragma omp parallel for num_threads(threads) if (tokens * width >= (1 << 16))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = qkv + t * width;
-    const T* c = cos + t * dim;
-    const T* sn = sin + t * dim;
+    const T* c = cos + t * rot;
+    const T* sn = sin + t * rot;
     for (int64_t r = 0; r < heads + kv_heads; ++r) {  // q heads, then k heads
       T* x = row + r * dim;
       for_chunks(half, [&](int64_t i, int64_t m) {  // x = x * cos + roll(x, half) * sin
@@ -120,21 +120,23 @@ extern "C" void pdserve_silu_mul(int bf16, const void* gate_up, void* out, int64
     silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, dim, threads);
 }
 
-// qkv: [tokens, (heads + 2 * kv_heads) * dim], q and k rotated in place; cos, sin: [tokens,
-// dim]; k0: the cache at one layer's K of block 0; token t's K/V go to block blocks[t], slot
-// offsets[t]. Strides in elements.
+// qkv: [tokens, (heads + 2 * kv_heads) * dim], the first `rot` dims of each q and k head
+// rotated in place (the rest pass: partial RoPE); cos, sin: [tokens, rot]; k0: the cache at
+// one layer's K of block 0; token t's K/V go to block blocks[t], slot offsets[t]. Strides in
+// elements.
 extern "C" void pdserve_rope_store(int bf16, void* qkv, const void* cos, const void* sin,
                                    int64_t tokens, int64_t heads, int64_t kv_heads,
-                                   int64_t dim, void* k0, const int64_t* blocks,
+                                   int64_t dim, int64_t rot, void* k0,
+                                   const int64_t* blocks,
                                    const int64_t* offsets, int64_t s_block, int64_t s_kv,
                                    int64_t s_token, int64_t s_head, int threads) {
   const CacheSlots s{s_block, s_kv, s_token, s_head};
   if (bf16)
     rope_store(static_cast<uint16_t*>(qkv), static_cast<const uint16_t*>(cos),
                static_cast<const uint16_t*>(sin), tokens, heads, kv_heads, dim,
-               static_cast<uint16_t*>(k0), blocks, offsets, s, threads);
+               rot, static_cast<uint16_t*>(k0), blocks, offsets, s, threads);
   else
     rope_store(static_cast<float*>(qkv), static_cast<const float*>(cos),
                static_cast<const float*>(sin), tokens, heads, kv_heads, dim,
-               static_cast<float*>(k0), blocks, offsets, s, threads);
+               rot, static_cast<float*>(k0), blocks, offsets, s, threads);
 }

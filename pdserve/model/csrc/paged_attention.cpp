@@ -1,8 +1,11 @@
 // Attention straight from the paged KV cache, through the block table, with no gathered
 // copy of K/V: decodes (one query token per sequence) and chunks (a prefill's queries of one
-// sequence, causal). Softmax and sums in float32; a bfloat16 cache on a CPU with bf16 dot
-// products (AVX512-BF16) multiplies in bf16 pairs, its softmax weights rounded to bf16 for
-// the sum over V (as flash attention does), elsewhere float32 multiply-adds throughout.
+// sequence, causal), each over all earlier keys or, in a sliding-window layer, the last
+// `window` of them (the query's own included, as HF masks). Gemma 2's scores may be
+// soft-capped (cap * tanh(score / cap)) before the softmax. Softmax and sums in float32; a
+// bfloat16 cache on a CPU with bf16 dot products (AVX512-BF16) multiplies in bf16 pairs, its
+// softmax weights rounded to bf16 for the sum over V (as flash attention does), elsewhere
+// float32 multiply-adds throughout.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -50,6 +53,11 @@ inline void softmax(float* x, int64_t n) {
   const float inv = 1.f / sum(total);
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
+
+struct Attn {  // how scores are made: scaled, soft-capped (cap > 0), over a window (> 0)
+  float scale, cap;
+  int64_t window;
+};
 
 struct Layout {  // element strides of the cache, already offset to one layer's K
   int64_t block, kv, token, head, dim;
@@ -110,25 +118,36 @@ inline void score_tokens(const f32x16 (&qv)[kMaxGroup][C], int group, const T* c
   }
 }
 
-// Calls f(t, row) for tokens t < n in order, row pointing at token t's vector in `base`:
-// block by block, so there is no division per token. Each block's rows `also` elements on
-// (V, while K is read) are asked for too, so that a second pass finds them in cache.
+// Calls f(i, row) for the n tokens begin + i in order, row pointing at that token's vector
+// in `base`: block by block, so there is no division per token. Each block's rows `also`
+// elements on (V, while K is read) are asked for too, so that a second pass finds them.
 template <typename T, typename F>
-inline void for_each_token(const T* base, const int64_t* table, int64_t n, const Layout& s, F f,
-                           int64_t also = 0) {
-  for (int64_t start = 0, b = 0; start < n; start += s.block_size, ++b) {
+inline void for_each_token(const T* base, const int64_t* table, int64_t begin, int64_t n,
+                           const Layout& s, F f, int64_t also = 0) {
+  const int64_t stop = begin + n;
+  for (int64_t b = begin / s.block_size, start = b * s.block_size; start < stop;
+       start += s.block_size, ++b) {
     const T* row = base + table[b] * s.block;
-    if (start + s.block_size < n) prefetch_block(base + table[b + 1] * s.block, s);
+    if (start + s.block_size < stop) prefetch_block(base + table[b + 1] * s.block, s);
     if (also) prefetch_block(row + also, s);
-    const int64_t end = start + s.block_size < n ? start + s.block_size : n;
-    for (int64_t t = start; t < end; ++t, row += s.token) f(t, row);
+    const int64_t from = start > begin ? start : begin;
+    const int64_t end = start + s.block_size < stop ? start + s.block_size : stop;
+    row += (from - start) * s.token;
+    for (int64_t t = from; t < end; ++t, row += s.token) f(t - begin, row);
   }
+}
+
+// Gemma 2's attention logit soft-capping, in place (cap 0: none).
+inline void soft_cap(float* x, int64_t n, float cap) {
+  if (cap > 0)
+    for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
 // Calls score(rows, m, first) for the K rows of tokens first .. first + m - 1, m <= 16 at
 // a time: a query's 16 scores then take one lane_sums, not 16 sums.
 template <typename T, typename F>
-inline void for_16_keys(const T* k0, const int64_t* table, int64_t n, const Layout& s, F score) {
+inline void for_16_keys(const T* k0, const int64_t* table, int64_t begin, int64_t n,
+                        const Layout& s, F score) {
   const T* rows[kLanes];
   int m = 0;
   int64_t first = 0;
@@ -137,31 +156,34 @@ inline void for_16_keys(const T* k0, const int64_t* table, int64_t n, const Layo
     first += m;
     m = 0;
   };
-  for_each_token(k0, table, n, s, [&](int64_t, const T* k) {
+  for_each_token(k0, table, begin, n, s, [&](int64_t, const T* k) {
     rows[m++] = k;
     if (m == kLanes) flush();
   }, s.kv);
   if (m) flush();
 }
 
-// One sequence and one KV head: its query heads at `q` [group, C * 16], out alike. G > 0 is
-// the group size known when compiling (the accumulators then stay in registers), 0 any.
+// One sequence and one KV head: its query heads at `q` [group, C * 16], out alike, over the
+// n cached tokens from `begin`. G > 0 is the group size known when compiling (the
+// accumulators then stay in registers), 0 any.
 template <typename T, int C, int G>
-void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t n,
-                 int runtime_group, const Layout& s, float scale, float* score) {
+void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t begin,
+                 int64_t n, int runtime_group, const Layout& s, float scale, float cap,
+                 float* score) {
   constexpr int kG = G ? G : kMaxGroup;
   const int group = G ? G : runtime_group;
   f32x16 qv[kMaxGroup][C], acc[kG][C];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes) * scale;
-  for_16_keys(k0, table, n, s, [&](const T* const* rows, int m, int64_t first) {
+  for_16_keys(k0, table, begin, n, s, [&](const T* const* rows, int m, int64_t first) {
     score_tokens<T, C>(qv, group, rows, m, score + first, n);
   });
   for (int g = 0; g < group; ++g) {
+    soft_cap(score + g * n, n, cap);
     softmax(score + g * n, n);
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
   }
-  for_each_token(k0 + s.kv, table, n, s, [&](int64_t t, const T* v) {
+  for_each_token(k0 + s.kv, table, begin, n, s, [&](int64_t t, const T* v) {
     f32x16 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load(v + c * kLanes);
     for (int g = 0; g < group; ++g) {
@@ -179,14 +201,14 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
 // to bfloat16 (as the chunk kernel and flash attention do); softmax in float32.
 template <int C, int G>
 void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, const int64_t* table,
-                      int64_t n, int runtime_group, const Layout& s, float scale, float* score,
-                      uint16_t* weights) {
+                      int64_t begin, int64_t n, int runtime_group, const Layout& s, float scale,
+                      float cap, float* score, uint16_t* weights) {
   constexpr int kG = G ? G : kMaxGroup, H = C / 2;  // a head's vector: H registers of 32
   const int group = G ? G : runtime_group;
   __m512bh qb[kMaxGroup][H];
   for (int g = 0; g < group; ++g)
     for (int h = 0; h < H; ++h) qb[g][h] = pairs(q + g * C * kLanes + h * 2 * kLanes);
-  for_16_keys(k0, table, n, s, [&](const uint16_t* const* rows, int m, int64_t first) {
+  for_16_keys(k0, table, begin, n, s, [&](const uint16_t* const* rows, int m, int64_t first) {
     for (int g = 0; g < group; ++g) {
       f32x16 part[kLanes];
       for (int j = 0; j < kLanes; ++j) {
@@ -201,6 +223,7 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
   });
   const int64_t even = n + n % 2;  // the weights of key pairs: a zero after an odd count
   for (int g = 0; g < group; ++g) {
+    soft_cap(score + g * n, n, cap);
     softmax(score + g * n, n);
     for (int64_t t = 0; t < n; t += kLanes) {
       const __m256bh b = _mm512_cvtneps_pbh(__m512(t + kLanes <= n ? load(score + g * n + t)
@@ -228,7 +251,7 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
     }
   };
   const uint16_t* held = nullptr;
-  for_each_token(k0 + s.kv, table, n, s, [&](int64_t t, const uint16_t* v) {
+  for_each_token(k0 + s.kv, table, begin, n, s, [&](int64_t t, const uint16_t* v) {
     if (t % 2 == 0) held = v;
     else fold(held, v, t / 2);
   });
@@ -249,7 +272,7 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
 template <typename T, int C, int G>
 void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
             int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, const Layout& s,
-            float scale, int threads) {
+            const Attn& a, int threads) {
   const int group = int(heads / kv_heads);
   const int64_t dim = C * kLanes;
   // A sequence's KV heads on one thread, one after the other, where there are sequences
@@ -258,20 +281,22 @@ void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) collapse(2)
   for (int64_t i = 0; i < seqs; ++i)
     for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t begin = a.window && lens[i] > a.window ? lens[i] - a.window : 0;
+      const int64_t n = lens[i] - begin;
       thread_local std::vector<float> score;
-      score.resize(size_t(group) * lens[i]);
+      score.resize(size_t(group) * n);
       const int64_t at = (i * heads + h * group) * dim;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
         thread_local std::vector<uint16_t> weights;
-        weights.resize(size_t(group) * (lens[i] + 1) + kLanes);
-        attend_head_bf16<C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i],
-                               group, s, scale, score.data(), weights.data());
+        weights.resize(size_t(group) * (n + 1) + kLanes);
+        attend_head_bf16<C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, begin, n,
+                               group, s, a.scale, a.cap, score.data(), weights.data());
         continue;
       }
 #endif
-      attend_head<T, C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, lens[i],
-                           group, s, scale, score.data());
+      attend_head<T, C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, begin, n,
+                           group, s, a.scale, a.cap, score.data());
     }
 }
 
@@ -279,25 +304,25 @@ void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_
 template <typename T, int C>
 void attend_group(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
                   int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads,
-                  const Layout& s, float scale, int threads) {
+                  const Layout& s, const Attn& a, int threads) {
   switch (heads / kv_heads) {
 #define PDSERVE_GROUP(G) \
-    case G: return attend<T, C, G>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads);
+    case G: return attend<T, C, G>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
     PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5)
     PDSERVE_GROUP(6) PDSERVE_GROUP(7) PDSERVE_GROUP(8)
 #undef PDSERVE_GROUP
-    default: return attend<T, C, 0>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads);
+    default: return attend<T, C, 0>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
   }
 }
 
 template <typename T>
 int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
              int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
-             const Layout& s, float scale, int threads) {
+             const Layout& s, const Attn& a, int threads) {
   if (heads % kv_heads || heads / kv_heads > kMaxGroup) return 1;
   switch (dim) {
-    case 64: attend_group<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
-    case 128: attend_group<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, scale, threads); return 0;
+    case 64: attend_group<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
+    case 128: attend_group<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
     default: return 1;
   }
 }
@@ -308,13 +333,15 @@ int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64
 // The keys 16 at a time, float32: K transposed to [group][dim][16 keys] (a query's scores for
 // 16 keys are then `dim` multiply-adds of whole vectors) and V as [key][dim]. Every query
 // tile of a KV head reads all of them, so they are converted once per call, not per tile.
+// Keys outside [begin, keys) are zeros, masked out of every score (before `begin`: out of
+// every row's window, and perhaps never written).
 template <typename T>
-void stage_keys(const T* k0, const int64_t* table, int64_t keys, int64_t dim, const Layout& s,
-                int64_t h, int64_t group, float* kt, float* vf) {
+void stage_keys(const T* k0, const int64_t* table, int64_t begin, int64_t keys, int64_t dim,
+                const Layout& s, int64_t h, int64_t group, float* kt, float* vf) {
   for (int64_t j = group * kLanes; j < (group + 1) * kLanes; ++j) {
     const int64_t t = j % kLanes;
     float* v = vf + j * dim;
-    if (j >= keys) {  // past the last key: zeros, masked out of every score
+    if (j < begin || j >= keys) {
       for (int64_t d = 0; d < dim; ++d) kt[(group * dim + d) * kLanes + t] = v[d] = 0.f;
       continue;
     }
@@ -327,17 +354,18 @@ void stage_keys(const T* k0, const int64_t* table, int64_t keys, int64_t dim, co
 
 // The same for bfloat16 dot products: pairs of values in 32-bit words. K as [group][dim / 2]
 // [16 keys] (a word: dims 2i, 2i + 1 of one key) and V as [group][8 key pairs][dim] (a
-// word: keys 2j, 2j + 1 at one dim), zeros past the last key.
-inline void stage_key_pairs(const uint16_t* k0, const int64_t* table, int64_t keys, int64_t dim,
-                            const Layout& s, int64_t h, int64_t group, uint32_t* kt,
-                            uint32_t* vt) {
+// word: keys 2j, 2j + 1 at one dim), zeros outside [begin, keys).
+inline void stage_key_pairs(const uint16_t* k0, const int64_t* table, int64_t begin,
+                            int64_t keys, int64_t dim, const Layout& s, int64_t h, int64_t group,
+                            uint32_t* kt, uint32_t* vt) {
   const int64_t half = dim / 2;
   for (int64_t j = group * kLanes; j < (group + 1) * kLanes; j += 2) {
     const uint16_t* pair[2];
     for (int i = 0; i < 2; ++i)
-      pair[i] = j + i < keys ? k0 + table[(j + i) / s.block_size] * s.block + h * s.head +
-                                   (j + i) % s.block_size * s.token
-                             : nullptr;
+      pair[i] = j + i >= begin && j + i < keys
+                    ? k0 + table[(j + i) / s.block_size] * s.block + h * s.head +
+                          (j + i) % s.block_size * s.token
+                    : nullptr;
     for (int i = 0; i < 2; ++i)
       for (int64_t d = 0; d < half; ++d) {
         uint32_t w = 0;
@@ -392,20 +420,27 @@ inline void score_span(const Rows<C, R>& st, const float* kt, int64_t g, f32x16 
 // st.p gets the span's unnormalised probabilities. `last` is the rows' final group, where
 // keys past each row's own position are masked out.
 template <int C, int R, int NG>
-inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t last,
-                         int64_t first) {
+inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t first,
+                         const Attn& a) {
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int r = 0; r < R; ++r) {
-    const auto valid = lane <= float(first + r - last * kLanes);  // used in the last group
+    // Keys past the row's own position (in the last group) and, in a window, before its
+    // first one are masked out.
+    decltype(lane < lane) valid[NG];
     f32x16 top = f32x16{} - INFINITY, total = {};
     for (int j = 0; j < NG; ++j) {
-      if (g + j == last) sc[r][j] = valid ? sc[r][j] : f32x16{} - INFINITY;
+      const int64_t key0 = (g + j) * kLanes;
+      valid[j] = lane <= float(first + r - key0);
+      if (a.window) valid[j] = valid[j] & (lane >= float(first + r - a.window + 1 - key0));
+      if (a.cap > 0)
+        for (int i = 0; i < kLanes; ++i) sc[r][j][i] = a.cap * std::tanh(sc[r][j][i] / a.cap);
+      sc[r][j] = valid[j] ? sc[r][j] : f32x16{} - INFINITY;
       top = sc[r][j] > top ? sc[r][j] : top;
     }
     const float m = std::fmax(max_lanes(top), st.m[r]);
     for (int j = 0; j < NG; ++j) {
-      const f32x16 e = exp_approx(sc[r][j] - m);
-      const f32x16 p = g + j == last ? (valid ? e : f32x16{}) : e;
+      const f32x16 e = exp_approx(sc[r][j] - m);  // NaN where a whole span is masked
+      const f32x16 p = valid[j] ? e : f32x16{};
       store(p, st.p[r] + j * kLanes);
       total += p;
     }
@@ -421,12 +456,12 @@ inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t
 
 // Folds NG groups of 16 keys, from group g, into the rows' state (float32 throughout).
 template <int C, int R, int NG>
-inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
-                      int64_t first) {
+inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t g,
+                      int64_t first, const Attn& a) {
   constexpr int64_t dim = C * kLanes;
   f32x16 sc[R][NG] = {};
   score_span<C, R, NG>(st, kt, g, sc);
-  softmax_span<C, R, NG>(st, sc, g, last, first);
+  softmax_span<C, R, NG>(st, sc, g, first, a);
   f32x16 o[R][C];  // in registers for the loop (V's floats could alias st.o for the compiler)
   std::memcpy(o, st.o, sizeof o);
   for (int t = 0; t < NG * kLanes; ++t) {
@@ -449,7 +484,7 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
 // float32. Twice the multiply-adds per instruction of the float32 path.
 template <int C, int R, int NG>
 inline void fold_span_bf16(Rows<C, R>& st, const uint32_t* kt, const uint32_t* vt, int64_t g,
-                           int64_t last, int64_t first, float scale) {
+                           int64_t first, const Attn& a) {
   constexpr int64_t dim = C * kLanes, half = dim / 2;
   __m512 acc[R][NG];
   for (int r = 0; r < R; ++r)
@@ -462,8 +497,8 @@ inline void fold_span_bf16(Rows<C, R>& st, const uint32_t* kt, const uint32_t* v
     }
   f32x16 sc[R][NG];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NG; ++j) sc[r][j] = f32x16(acc[r][j]) * scale;
-  softmax_span<C, R, NG>(st, sc, g, last, first);
+    for (int j = 0; j < NG; ++j) sc[r][j] = f32x16(acc[r][j]) * a.scale;
+  softmax_span<C, R, NG>(st, sc, g, first, a);
   uint32_t p[R][NG * kLanes / 2];  // the weights as bfloat16 pairs of consecutive keys
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NG; ++j) {
@@ -490,17 +525,24 @@ template <typename T>
 using Staged = std::conditional_t<kBf16Dot && std::is_same_v<T, uint16_t>, uint32_t, float>;
 
 template <int C, int R, int NG>
-inline void fold(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t last,
-                 int64_t first, float) {
-  fold_span<C, R, NG>(st, kt, vf, g, last, first);
+inline void fold(Rows<C, R>& st, const float* kt, const float* vf, int64_t g, int64_t first,
+                 const Attn& a) {
+  fold_span<C, R, NG>(st, kt, vf, g, first, a);
 }
 #if defined(__AVX512BF16__)
 template <int C, int R, int NG>
 inline void fold(Rows<C, R>& st, const uint32_t* kt, const uint32_t* vt, int64_t g,
-                 int64_t last, int64_t first, float scale) {
-  fold_span_bf16<C, R, NG>(st, kt, vt, g, last, first, scale);
+                 int64_t first, const Attn& a) {
+  fold_span_bf16<C, R, NG>(st, kt, vt, g, first, a);
 }
 #endif
+
+// The first 16-key group a tile starting at `position` reads: 0, or in a window the span
+// (kSpan groups) holding the tile's first row's earliest key.
+inline int64_t first_span(int64_t position, int64_t window) {
+  const int64_t key = window && position >= window ? position - window + 1 : 0;
+  return key / (kSpan * kLanes) * kSpan;
+}
 
 // R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
 // tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
@@ -509,7 +551,7 @@ inline void fold(Rows<C, R>& st, const uint32_t* kt, const uint32_t* vt, int64_t
 // results). `rows` < R at a chunk's edges.
 template <typename T, int C, int R>
 void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Staged<T>* kt,
-                 const Staged<T>* vt, int64_t first, int rows, float scale) {
+                 const Staged<T>* vt, int64_t first, int rows, const Attn& a) {
   Rows<C, R> st;
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) st.o[r][c] = f32x16{};
@@ -520,7 +562,7 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
                                : 0u;
     } else {
       for (int c = 0; c < C; ++c) {
-        const f32x16 x = r < rows ? load(q + r * q_stride + c * kLanes) * scale : f32x16{};
+        const f32x16 x = r < rows ? load(q + r * q_stride + c * kLanes) * a.scale : f32x16{};
         store(x, st.q[r] + c * kLanes);
       }
     }
@@ -528,12 +570,12 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
     st.l[r] = 0.f;
   }
   const int64_t last = first / kLanes;
-  for (int64_t g = 0; g <= last; g += kSpan) {
+  for (int64_t g = first_span(first / R * R, a.window); g <= last; g += kSpan) {
     switch (last - g + 1 < kSpan ? int(last - g + 1) : kSpan) {
-      case 1: fold<C, R, 1>(st, kt, vt, g, last, first, scale); break;
-      case 2: fold<C, R, 2>(st, kt, vt, g, last, first, scale); break;
-      case 3: fold<C, R, 3>(st, kt, vt, g, last, first, scale); break;
-      default: fold<C, R, kSpan>(st, kt, vt, g, last, first, scale);
+      case 1: fold<C, R, 1>(st, kt, vt, g, first, a); break;
+      case 2: fold<C, R, 2>(st, kt, vt, g, first, a); break;
+      case 3: fold<C, R, 3>(st, kt, vt, g, first, a); break;
+      default: fold<C, R, kSpan>(st, kt, vt, g, first, a);
     }
   }
   for (int r = 0; r < rows; ++r)
@@ -542,18 +584,18 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
 }
 
 template <typename T>
-inline void stage(const T* k0, const int64_t* table, int64_t keys, int64_t dim, const Layout& s,
-                  int64_t h, int64_t g, Staged<T>* kt, Staged<T>* vt) {
+inline void stage(const T* k0, const int64_t* table, int64_t begin, int64_t keys, int64_t dim,
+                  const Layout& s, int64_t h, int64_t g, Staged<T>* kt, Staged<T>* vt) {
   if constexpr (std::is_same_v<Staged<T>, uint32_t>)
-    stage_key_pairs(k0, table, keys, dim, s, h, g, kt, vt);
+    stage_key_pairs(k0, table, begin, keys, dim, s, h, g, kt, vt);
   else
-    stage_keys(k0, table, keys, dim, s, h, g, kt, vt);
+    stage_keys(k0, table, begin, keys, dim, s, h, g, kt, vt);
 }
 
 template <typename T, int C>
 void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, const T* k0,
                   const int64_t* table, int64_t n, int64_t pos, int64_t heads,
-                  int64_t kv_heads, const Layout& s, float scale, int threads) {
+                  int64_t kv_heads, const Layout& s, const Attn& a, int threads) {
   constexpr int R = 16 / C;  // O's accumulators fill half the vector registers
   constexpr int64_t dim = C * kLanes;
   const int64_t keys = pos + n, groups = (keys + kLanes - 1) / kLanes, group = heads / kv_heads;
@@ -564,12 +606,15 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
   staged.resize(size_t(2 * kv_heads * per_head));
   Staged<T>* kt = staged.data();
   Staged<T>* vt = kt + kv_heads * per_head;
+  // In a window: the groups the first tile reads on, and the first key any row sees.
+  const int64_t first_group = first_span(first_tile * R, a.window);
+  const int64_t begin = a.window && pos >= a.window ? pos - a.window + 1 : 0;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for collapse(2)
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t g = 0; g < groups; ++g)
-        stage(k0, table, keys, dim, s, h, g, kt + h * per_head, vt + h * per_head);
+      for (int64_t g = first_group; g < groups; ++g)
+        stage(k0, table, begin, keys, dim, s, h, g, kt + h * per_head, vt + h * per_head);
 #pragma omp for schedule(dynamic) collapse(2)
     for (int64_t i = tiles - 1; i >= 0; --i)  // the longest rows first: better balance
       for (int64_t hq = 0; hq < heads; ++hq) {
@@ -578,7 +623,7 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
         const int64_t row = start - pos, h = hq / group;
         attend_rows<T, C, R>(q + row * q_stride + hq * dim, q_stride,
                              out + row * out_stride + hq * dim, out_stride, kt + h * per_head,
-                             vt + h * per_head, start, int(end - start), scale);
+                             vt + h * per_head, start, int(end - start), a);
       }
   }
 }
@@ -586,11 +631,11 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
 template <typename T>
 int dispatch_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, const T* k0,
                    const int64_t* table, int64_t n, int64_t pos, int64_t heads,
-                   int64_t kv_heads, int64_t dim, const Layout& s, float scale, int threads) {
+                   int64_t kv_heads, int64_t dim, const Layout& s, const Attn& a, int threads) {
   if (heads % kv_heads) return 1;
   switch (dim) {
-    case 64: attend_chunk<T, 4>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, scale, threads); return 0;
-    case 128: attend_chunk<T, 8>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, scale, threads); return 0;
+    case 64: attend_chunk<T, 4>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, a, threads); return 0;
+    case 128: attend_chunk<T, 8>(q, q_stride, out, out_stride, k0, table, n, pos, heads, kv_heads, s, a, threads); return 0;
     default: return 1;
   }
 }
@@ -598,37 +643,42 @@ int dispatch_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, con
 }  // namespace
 
 // q, out: [seqs, heads, dim]; k0: the cache at one layer's K of block 0; tables [seqs, width];
-// strides in elements. Returns nonzero for a shape it has no kernel for.
+// strides in elements; scores are q.k * scale, capped at `cap` (> 0), over the last `window`
+// tokens (> 0) or all. Returns nonzero for a shape it has no kernel for.
 extern "C" int pdserve_paged_decode(int bf16, const void* q, void* out, const void* k0,
                                     const int64_t* tables, const int64_t* lens, int64_t seqs,
                                     int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
                                     int64_t block_size, int64_t s_block, int64_t s_kv,
-                                    int64_t s_token, int64_t s_head, float scale, int threads) {
+                                    int64_t s_token, int64_t s_head, float scale, float cap,
+                                    int64_t window, int threads) {
   const Layout s{s_block, s_kv, s_token, s_head, dim, int(block_size)};
+  const Attn a{scale, cap, window};
   if (bf16)
     return dispatch(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out),
                     static_cast<const uint16_t*>(k0), tables, lens, seqs, width, heads, kv_heads,
-                    dim, s, scale, threads);
+                    dim, s, a, threads);
   return dispatch(static_cast<const float*>(q), static_cast<float*>(out),
                   static_cast<const float*>(k0), tables, lens, seqs, width, heads, kv_heads, dim,
-                  s, scale, threads);
+                  s, a, threads);
 }
 
 // q [n, heads, dim] and out alike, rows `q_stride` and `out_stride` elements apart: the n query
 // tokens of one sequence at positions pos, pos + 1, ..., whose K/V are already in the cache;
-// token i attends to the first pos + i + 1 tokens of block table `table`.
+// token i attends to the first pos + i + 1 tokens of block table `table` (the last `window`
+// of them where window > 0); scale and cap as for decodes.
 extern "C" int pdserve_paged_chunk(int bf16, const void* q, int64_t q_stride, void* out,
                                    int64_t out_stride, const void* k0, const int64_t* table,
                                    int64_t n, int64_t pos, int64_t heads, int64_t kv_heads,
                                    int64_t dim, int64_t block_size, int64_t s_block,
                                    int64_t s_kv, int64_t s_token, int64_t s_head, float scale,
-                                   int threads) {
+                                   float cap, int64_t window, int threads) {
   const Layout s{s_block, s_kv, s_token, s_head, dim, int(block_size)};
+  const Attn a{scale, cap, window};
   if (bf16)
     return dispatch_chunk(static_cast<const uint16_t*>(q), q_stride, static_cast<uint16_t*>(out),
                           out_stride, static_cast<const uint16_t*>(k0), table, n, pos, heads,
-                          kv_heads, dim, s, scale, threads);
+                          kv_heads, dim, s, a, threads);
   return dispatch_chunk(static_cast<const float*>(q), q_stride, static_cast<float*>(out),
                         out_stride, static_cast<const float*>(k0), table, n, pos, heads,
-                        kv_heads, dim, s, scale, threads);
+                        kv_heads, dim, s, a, threads);
 }

@@ -50,7 +50,7 @@ _GAUGES = (
 )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # registries keep collectors in a dict
 class _BackendGauges:  # a prometheus_client Collector
     pools: list[Pool]
 

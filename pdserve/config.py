@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -120,8 +121,17 @@ class KVTransferConfig:
         if not isinstance(x.min_transfer_tokens, int) or x.min_transfer_tokens < 0:
             raise ConfigError("kv_connector_extra_config.min_transfer_tokens must be an "
                               "integer >= 0")
-        if not isinstance(x.allowed_remote_hosts, list):
-            raise ConfigError("kv_connector_extra_config.allowed_remote_hosts must be a list")
+        if not isinstance(x.allowed_remote_hosts, list) or \
+                not all(isinstance(h, str) for h in x.allowed_remote_hosts):
+            raise ConfigError("kv_connector_extra_config.allowed_remote_hosts must be a list "
+                              "of host names, addresses and networks (10.244.0.0/16)")
+        for entry in x.allowed_remote_hosts:
+            if "/" in entry:
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError as e:
+                    raise ConfigError(f"kv_connector_extra_config.allowed_remote_hosts: {e}"
+                                      ) from None
 
 
 def _known(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:

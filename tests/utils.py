@@ -59,16 +59,17 @@ def _stop_all() -> None:
 def start_server(args: list[str], url: str | None = None, timeout: float = 180,
                  env: dict[str, str] | None = None,
                  ready: Callable[[Server], bool] | None = None,
-                 health: str = "/health") -> Server:
+                 health: str = "/health", wrap: list[str] | None = None) -> Server:
     """Run `pdserve ARGS` in its own process group; `url` defaults to --port's (a free port
-    is added when ARGS name none)."""
+    is added when ARGS name none); `wrap`: a command that runs it (`unshare ...`)."""
     if url is None:
         if "--port" not in args:
             args = [*args, "--port", str(free_port())]
         url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     fd, log_path = tempfile.mkstemp(prefix="pdserve-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.entrypoints.cli", *args],
+        proc = subprocess.Popen([*(wrap or []), sys.executable, "-m",
+                                 "pdserve.entrypoints.cli", *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     server = Server(proc, url, log_path)

@@ -118,6 +118,9 @@ class Proxy:
         content = json.dumps(body, separators=(",", ":"))
         headers = {**self.headers(request_id), "Content-Type": "application/json"}
         backends, fell_back = pool.order(key, prefer)
+        if not backends:
+            raise BackendDown(f"no {pool.name} backend is known (its names resolve to no "
+                              "address)")
         # A prefill tier that cannot answer hands the prompt to a decode (_through_tiers);
         # a decode tier's last answer is relayed, whatever it is.
         retry = PREFILL_RETRY_STATUSES if pool is self.prefill else frozenset({503})
@@ -152,7 +155,9 @@ class Proxy:
                 b.unsent(local)
                 b.mark(reachable=False)
                 why = f"unreachable: {type(e).__name__}"
-                if not isinstance(e, httpx.ConnectError):  # it took the request, then died
+                # No connection, no request: a pod that just left (its address no longer
+                # answers) times out connecting; anything later, it took the request, then died.
+                if not isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
                     why = f"lost the request: {type(e).__name__}"
                     lost += 1
                     if _pulls_kv(body):

@@ -18,19 +18,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.entrypoints.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from pdserve.entrypoints.disconnect import disconnected
+from pdserve.entrypoints.discovery import Discovery
 from pdserve.entrypoints.pd_flow import Proxy, answer, request_log
 from pdserve.entrypoints.protocol import error_response, require_api_key, valid_request_id
 from pdserve.entrypoints.proxy_metrics import outcome
 from pdserve.entrypoints.routing import Pool, poll_queues
 
 
-def build_app(proxy: Proxy, max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastAPI:
+def build_app(proxy: Proxy, max_request_bytes: int = DEFAULT_MAX_BYTES,
+              discovery: Discovery | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        poll = proxy.disagg.max_prefill_queue is not None
-        task = asyncio.create_task(poll_queues(proxy.client, proxy.prefill)) if poll else None
+        tasks = []
+        if discovery is not None:
+            await discovery.refresh()  # the backends there are before the first request
+            tasks.append(asyncio.create_task(discovery.run()))
+        if proxy.disagg.max_prefill_queue is not None:
+            tasks.append(asyncio.create_task(poll_queues(proxy.client, proxy.prefill)))
         yield
-        if task is not None:
+        for task in tasks:
             task.cancel()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)

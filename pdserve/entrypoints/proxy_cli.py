@@ -11,6 +11,7 @@ import httpx
 
 from pdserve.config import ConfigError
 from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
+from pdserve.entrypoints.discovery import Discovery, named_host
 from pdserve.entrypoints.pd_flow import Proxy
 from pdserve.entrypoints.proxy import build_app
 from pdserve.entrypoints.routing import (
@@ -31,6 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--resolve-every", type=float, default=None, metavar="SECONDS",
+                   help="discovery: a backend URL naming a host (a Kubernetes headless "
+                        "Service) stands for every address the name resolves to, resolved "
+                        "again every SECONDS: instances that join are used, those that leave "
+                        "dropped (default: off, URLs used as given)")
     add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--backend-api-key", default=None, help="default: --api-key")
@@ -45,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.model.loader import ModelLoadError
 
-    if problem := check_routing_args(args) or check_body_limit(args.max_request_bytes):
+    if problem := check_routing_args(args) or check_body_limit(args.max_request_bytes) \
+            or _check_discovery(args):
         raise ConfigError(problem)
+    discovered = args.resolve_every is not None
 
     def pool(name: str, urls: list[str]) -> Pool:
-        return Pool(name, [Backend(u.rstrip("/")) for u in urls], args.policy,
-                    args.prefix_max_imbalance)
+        backends = [] if discovered else [Backend(u.rstrip("/")) for u in urls]
+        return Pool(name, backends, args.policy, args.prefix_max_imbalance)
 
     try:  # token counts only where routing needs them: the tokenizer costs a torch import
         counted = args.policy == "prefix" or args.local_prefill_below is not None
@@ -63,8 +71,24 @@ def run(args: argparse.Namespace) -> int:
                   args.api_key, args.backend_api_key or args.api_key,
                   Disaggregation(args.local_prefill_below, args.max_prefill_queue),
                   prompt_tokens, args.prefix_tokens)
-    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s", args.host,
-             args.port, " ".join(args.prefill), " ".join(args.decode), args.policy, proxy.disagg)
-    uvicorn.run(build_app(proxy, args.max_request_bytes), host=args.host, port=args.port,
-                log_level="warning")
+    discovery = Discovery([(proxy.prefill, [u.rstrip("/") for u in args.prefill]),
+                           (proxy.decode, [u.rstrip("/") for u in args.decode])],
+                          args.resolve_every) if discovered else None
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, policy %s, %s%s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), args.policy,
+             proxy.disagg, f", names resolved every {args.resolve_every}s" if discovered else "")
+    uvicorn.run(build_app(proxy, args.max_request_bytes, discovery), host=args.host,
+                port=args.port, log_level="warning")
     return 0
+
+
+def _check_discovery(args: argparse.Namespace) -> str | None:
+    if args.resolve_every is None:
+        return None
+    if not args.resolve_every > 0:
+        return f"--resolve-every must be a positive number of seconds, not {args.resolve_every}"
+    for url in args.prefill + args.decode:
+        if url.startswith("https:") and named_host(url):
+            return (f"--resolve-every replaces {url}'s host name with its addresses, which "
+                    "TLS cannot verify: give http:// URLs (or IP addresses)")
+    return None

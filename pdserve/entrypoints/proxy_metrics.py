@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from dataclasses import dataclass
 
-from pdserve.entrypoints.routing import Backend, Pool
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.entrypoints.routing import Pool
 
 _BACKEND = ["backend", "role"]
 # From a short prefill (tens of ms) to a long streamed generation (minutes).
@@ -31,26 +34,33 @@ class ProxyMetrics:
         self.prefix_fallbacks = Counter(
             "pdserve_proxy_prefix_fallbacks", "Prefix-policy picks that left the prompt's "
             "home instance because it was too busy", ["role"], registry=r)
-        outstanding = Gauge("pdserve_proxy_backend_outstanding", "Requests in flight at "
-                            "a backend (this proxy's)", _BACKEND, registry=r)
-        queue = Gauge("pdserve_proxy_backend_queue", "A backend's queue as routing sees it: "
-                      "in flight here, or its reported waiting requests if more", _BACKEND,
-                      registry=r)
-        local = Gauge("pdserve_proxy_backend_local_prefills", "Plain requests at a decode "
-                      "that it is prefilling itself (first token not yet back)", _BACKEND,
-                      registry=r)
-        up = Gauge("pdserve_proxy_backend_up", "0 while a backend that was unreachable is "
-                   "tried last (for a few seconds after)", _BACKEND, registry=r)
-        for pool in pools:
-            for b in pool.backends:
-                up.labels(b.url, pool.name).set_function(_getter(b, "up"))
-                outstanding.labels(b.url, pool.name).set_function(_getter(b, "outstanding"))
-                queue.labels(b.url, pool.name).set_function(_getter(b, "queue"))
-                local.labels(b.url, pool.name).set_function(_getter(b, "local_prefills"))
+        r.register(_BackendGauges(pools))
 
 
-def _getter(backend: Backend, attr: str):
-    return lambda: float(getattr(backend, attr))
+# Read at each scrape from the pools' backends as they are then: discovery adds and drops them.
+_GAUGES = (
+    ("pdserve_proxy_backend_outstanding", "Requests in flight at a backend (this proxy's)",
+     "outstanding"),
+    ("pdserve_proxy_backend_queue", "A backend's queue as routing sees it: in flight here, "
+     "or its reported waiting requests if more", "queue"),
+    ("pdserve_proxy_backend_local_prefills", "Plain requests at a decode that it is "
+     "prefilling itself (first token not yet back)", "local_prefills"),
+    ("pdserve_proxy_backend_up", "0 while a backend that was unreachable is tried last (for "
+     "a few seconds after); one series per backend the proxy knows now", "up"),
+)
+
+
+@dataclass(slots=True, eq=False)  # registries keep collectors in a dict
+class _BackendGauges:  # a prometheus_client Collector
+    pools: list[Pool]
+
+    def collect(self):
+        for name, doc, attr in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=_BACKEND)
+            for pool in self.pools:
+                for b in pool.backends:
+                    family.add_metric([b.url, pool.name], float(getattr(b, attr)))
+            yield family
 
 
 def outcome(status: int) -> str:

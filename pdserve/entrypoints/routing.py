@@ -26,10 +26,13 @@ RESIDENT_BLOCK = 16  # tokens per block of the residency record (the engines' de
 RESIDENT_BLOCKS = 200_000  # blocks remembered (~3M tokens), least recently sent dropped
 
 
-@dataclass(slots=True)
-class Backend:
+@dataclass(slots=True, eq=False)  # compared and hashed by identity: a pod that comes back
+class Backend:                      # at the same address is a new backend (empty caches)
     url: str
-    index: int = 0  # position in its pool: the prefix hash is keyed by it, not the URL
+    # What the prefix policy's hash ranks it by: among backends given on the command line
+    # its position (a prefix's prefill and decode homes pair up), among discovered ones its
+    # URL (every proxy replica agrees, whatever order it found them in).
+    rank_key: bytes = b""
     outstanding: int = 0  # requests this proxy has sent and not yet finished
     reported_waiting: int = 0  # the backend's own pdserve_num_requests_waiting, polled
     local_prefills: int = 0  # a decode's: plain requests sent, first token not yet back
@@ -64,7 +67,15 @@ class Pool:
 
     def __post_init__(self) -> None:
         for i, b in enumerate(self.backends):
-            b.index = i
+            b.rank_key = b.rank_key or i.to_bytes(4, "little")
+
+    def update(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """Make `urls` the pool's backends (discovery): those it had keep their state, the
+        rest start afresh; returns the URLs added and removed. A new list, so a caller
+        iterating the old one across an await is not disturbed."""
+        known = {b.url: b for b in self.backends}
+        self.backends = [known.get(u) or Backend(u, u.encode()) for u in urls]
+        return [u for u in urls if u not in known], [u for u in known if u not in urls]
 
     def order(self, key: bytes | None = None, prefer: Backend | None = None
               ) -> tuple[list[Backend], bool]:
@@ -72,6 +83,8 @@ class Pool:
         prompt's history is, before it while load allows) and those that were recently
         unreachable last; and whether the prefix policy left the prompt's home instance
         because it was too busy."""
+        if not self.backends:  # discovery found none
+            return [], False
         backends, fell_back = self._by_policy(key)
         if prefer is not None and prefer.outstanding - min(
                 b.outstanding for b in self.backends) <= self.max_imbalance:
@@ -81,7 +94,7 @@ class Pool:
     def _by_policy(self, key: bytes | None) -> tuple[list[Backend], bool]:
         by_load = sorted(self.backends, key=lambda b: b.outstanding)
         if self.policy == "prefix" and key is not None:
-            home = max(self.backends, key=lambda b: _score(key, b.index))
+            home = max(self.backends, key=lambda b: _score(key, b.rank_key))
             if home.outstanding - by_load[0].outstanding <= self.max_imbalance:
                 return [home, *(b for b in by_load if b is not home)], False
             return by_load, True
@@ -91,10 +104,10 @@ class Pool:
         return self.backends[start:] + self.backends[:start], False
 
 
-def _score(key: bytes, index: int) -> int:
+def _score(key: bytes, rank_key: bytes) -> int:
     """Rendezvous hashing: each prefix ranks the backends in its own fixed order, so adding
     a backend moves only the prefixes it now wins."""
-    digest = hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=8).digest()
+    digest = hashlib.blake2b(key + rank_key, digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -113,7 +126,7 @@ class Residency:
     answer plus a new message: sent where the last prompt went, only the new part is
     computed (the answer's KV is there too)."""
     capacity: int = RESIDENT_BLOCKS
-    _where: OrderedDict[bytes, set[int]] = field(default_factory=OrderedDict)
+    _where: OrderedDict[bytes, set[Backend]] = field(default_factory=OrderedDict)
 
     @staticmethod
     def blocks(tokens: list[int]) -> list[bytes]:
@@ -123,25 +136,27 @@ class Residency:
     def sent(self, backend: Backend, blocks: list[bytes]) -> None:
         """`backend` now holds the KV of these blocks."""
         for h in blocks:
-            self._where.setdefault(h, set()).add(backend.index)
+            self._where.setdefault(h, set()).add(backend)
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
     def find(self, blocks: list[bytes], pool: Pool) -> tuple[Backend | None, int]:
         """The backend holding the longest run of these blocks from the first (the least
-        loaded of those that tie), and that run's length in tokens."""
-        holders: set[int] | None = None
+        loaded of those that tie), and that run's length in tokens. Backends discovery
+        dropped hold nothing."""
+        live = set(pool.backends)
+        holders: set[Backend] | None = None
         depth = 0
         for h in blocks:
-            found = self._where.get(h, set())
+            found = self._where.get(h, set()) & live
             common = found if holders is None else holders & found
             if not common:
                 break
             holders, depth = common, depth + 1
         if not depth:
             return None, 0
-        best = min((pool.backends[i] for i in holders), key=lambda b: b.outstanding)
+        best = min((b for b in pool.backends if b in holders), key=lambda b: b.outstanding)
         return best, depth * RESIDENT_BLOCK
 
 

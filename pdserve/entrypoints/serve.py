@@ -89,8 +89,11 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     add_engine_args(p)
     add_server_args(p)
-    p.add_argument("--kv-transfer-config", default=None,
-                   help='JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+    p.add_argument("--kv-transfer-config",
+                   default=os.environ.get("PDSERVE_KV_TRANSFER_CONFIG") or None,
+                   help='JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"} '
+                        "(env PDSERVE_KV_TRANSFER_CONFIG); its side_channel_secret defaults "
+                        "to env PDSERVE_SIDE_CHANNEL_SECRET")
     p.add_argument("--kv-side-channel-host",
                    default=os.environ.get("PDSERVE_KV_SIDE_CHANNEL_HOST", "127.0.0.1"))
     p.add_argument("--kv-side-channel-port", type=int,
@@ -117,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     check_server_args(args)
     kv = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config \
         else None
+    if kv is not None and kv.kv_connector_extra_config.side_channel_secret is None:
+        # From a secret store, not the command line (which `ps` and pod specs show).
+        kv.kv_connector_extra_config.side_channel_secret = \
+            os.environ.get("PDSERVE_SIDE_CHANNEL_SECRET")
     if args.data_parallel_size < 1:
         raise ConfigError("--data-parallel-size must be at least 1")
     try:

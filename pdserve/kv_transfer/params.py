@@ -135,21 +135,26 @@ class ParamsValidator:
     vocab_size: int
     allowed_hosts: frozenset[str]
     is_consumer: bool
+    # Networks named in allowed_remote_hosts (a Kubernetes pod network: pods' addresses
+    # are not known in advance).
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     @classmethod
     def of(cls, kv: KVTransferConfig, block_size: int, vocab_size: int,
            side_channel_host: str) -> ParamsValidator:
         extra = kv.kv_connector_extra_config.allowed_remote_hosts
-        allowed = frozenset({side_channel_host, *extra})
-        return cls(block_size, vocab_size, allowed, kv.is_consumer)
+        allowed = frozenset({side_channel_host, *(h for h in extra if "/" not in h)})
+        networks = tuple(ipaddress.ip_network(h, strict=False) for h in extra if "/" in h)
+        return cls(block_size, vocab_size, allowed, kv.is_consumer, networks)
 
     def host_allowed(self, host: str) -> bool:
         if host in self.allowed_hosts or host == "localhost":
             return True
         try:
-            return ipaddress.ip_address(host).is_loopback
+            address = ipaddress.ip_address(host)
         except ValueError:
             return False
+        return address.is_loopback or any(address in n for n in self.allowed_networks)
 
     def __call__(self, p: KVParams, prompt_len: int) -> None:
         """Refuse params that contradict themselves or point where we must not go

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import KVTransferConfig
+from pdserve.config import ConfigError, KVTransferConfig
 from pdserve.kv_transfer.params import FirstToken, KVParams, ParamsValidator, PromptLogprob
 
 GOOD = {"do_remote_prefill": True, "remote_engine_id": "prefill-a",
@@ -83,3 +83,19 @@ def test_allowed_hosts_and_roles():
     with pytest.raises(ValueError, match="KV producer"):
         validator("kv_producer")(KVParams.from_dict(GOOD), 10)
     validator("kv_producer")(KVParams(do_remote_decode=True), 10)
+
+
+def test_allowed_remote_hosts_may_name_a_network():
+    """A pod network: Kubernetes gives pods addresses nobody knows in advance."""
+    kv = KVTransferConfig.from_dict({"kv_connector_extra_config": {
+        "allowed_remote_hosts": ["10.244.0.0/16", "fd00:10::/64", "prefill-0"]}})
+    check = ParamsValidator.of(kv, block_size=4, vocab_size=1000, side_channel_host="x")
+    for host in ("10.244.3.7", "fd00:10::5", "prefill-0"):
+        check(KVParams.from_dict({**GOOD, "remote_host": host}), 10)
+    for host in ("10.245.0.1", "fd00:11::5", "prefill-1"):
+        with pytest.raises(ValueError, match="not allowed"):
+            check(KVParams.from_dict({**GOOD, "remote_host": host}), 10)
+    for bad in (["10.244.0.0/33"], "10.0.0.0/8", [7]):
+        with pytest.raises(ConfigError, match="allowed_remote_hosts"):
+            KVTransferConfig.from_dict({"kv_connector_extra_config": {
+                "allowed_remote_hosts": bad}})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import httpx
 
@@ -37,6 +38,10 @@ def add_parser(sub) -> None:
                         "Service) stands for every address the name resolves to, resolved "
                         "again every SECONDS: instances that join are used, those that leave "
                         "dropped (default: off, URLs used as given)")
+    p.add_argument("--backend-keepalive", type=int, default=10, metavar="SECONDS",
+                   help="a backend connection silent this long is probed (TCP keepalive); "
+                   "one whose host left the network is given up about 2.5x later, and its "
+                   "stream ends with an error (default: 10)")
     add_routing_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--backend-api-key", default=None, help="default: --api-key")
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.model.loader import ModelLoadError
 
     if problem := check_routing_args(args) or check_body_limit(args.max_request_bytes) \
-            or _check_discovery(args):
+            or _check_discovery(args) or _check_keepalive(args.backend_keepalive):
         raise ConfigError(problem)
     discovered = args.resolve_every is not None
 
@@ -65,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
         prompt_tokens = PromptTokens(args.tokenizer) if counted else None
     except ModelLoadError as e:
         raise ConfigError(f"cannot load the tokenizer: {e}") from None
+    # No read timeout: a long prompt or a long answer may be silent for minutes. A backend
+    # whose node or network is gone never answers again, though: keepalive probes find that.
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+    transport = httpx.AsyncHTTPTransport(limits=limits,
+                                         socket_options=keepalive(args.backend_keepalive))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=transport)
     proxy = Proxy(pool("prefill", args.prefill), pool("decode", args.decode), client,
                   args.api_key, args.backend_api_key or args.api_key,
                   Disaggregation(args.local_prefill_below, args.max_prefill_queue),
@@ -80,6 +89,21 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(build_app(proxy, args.max_request_bytes, discovery), host=args.host,
                 port=args.port, log_level="warning")
     return 0
+
+
+def _check_keepalive(seconds: int) -> str | None:
+    if not seconds >= 1:
+        return f"--backend-keepalive must be at least 1 second, not {seconds}"
+    return None
+
+
+def keepalive(seconds: int) -> list[tuple[int, int, int]]:
+    """Socket options: probe after `seconds` of silence, then every seconds / 2, and give up
+    after 3 unanswered probes."""
+    return [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, seconds),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, seconds // 2)),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
 
 
 def _check_discovery(args: argparse.Namespace) -> str | None:

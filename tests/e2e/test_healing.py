@@ -2,7 +2,7 @@
 an instance that dies is started again by up, counted in its metrics; the proxy retries a
 prefill that dies under a request on the other one; a stream from a decode that dies ends
 with an SSE error event; a decode handshakes afresh with a prefill that came back; and a
-chaos run (an instance SIGKILLed every ~20 s under steady load) that loses nothing but
+chaos run (an instance SIGKILLed every ~15 s under steady load) that loses nothing but
 requests in flight on a killed decode, with every answer identical to monolithic.
 
 The reference answers are plain requests straight to a decode instance, which computes
@@ -27,8 +27,8 @@ from tests.utils import PASSAGE, Server, free_port, metric, start_server
 NAMES = ("prefill0", "prefill1", "decode0", "decode1")  # ports base + 0..3, as up lays out
 PROMPTS = [f"Story {i}: " + PASSAGE[i * 40:i * 40 + 200] for i in range(8)]
 LONG = "Long: " + PASSAGE * 5  # ~1400 tokens: its prefill takes a second or more here
-CHAOS_SECONDS = 130
-KILL_EVERY_S = 20
+CHAOS_SECONDS = 90
+KILL_EVERY_S = 15
 
 
 @dataclass(slots=True)
@@ -201,10 +201,11 @@ class Outcome:
 
 
 def test_chaos_instances_killed_under_load(up, reference, reliability_row):
-    row = reliability_row("chaos: an instance SIGKILLed every ~20 s", f"up --prefill 2 "
+    row = reliability_row(f"chaos: an instance SIGKILLed every ~{KILL_EVERY_S} s",
+                          f"up --prefill 2 "
                           f"--decode 2 under {CHAOS_SECONDS} s of steady load (3 clients, "
                           "streaming and not, 16-token greedy completions of 8 prompts); "
-                          "a random prefill or decode SIGKILLed every ~20 s",
+                          f"a random prefill or decode SIGKILLed every ~{KILL_EVERY_S} s",
                           "every request not in flight on a killed decode succeeds, "
                           "identical to monolithic; every instance back and healthy; pools "
                           "whole; RSS bounded")

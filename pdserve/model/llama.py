@@ -20,7 +20,7 @@ from pdserve.model import attention, gemma, loader
 from pdserve.model.attention import Scores
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
-from pdserve.model.linear import Gemm
+from pdserve.model.linear import Gemm, Linear
 from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
 
@@ -206,14 +206,14 @@ class Batch:
 @dataclass(slots=True)
 class Layer:
     ln1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Linear
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [head_dim], with k_norm (Qwen3)
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     ln2: torch.Tensor  # before the MLP
-    gate_up: torch.Tensor | None  # a dense MLP's, or
-    down: torch.Tensor | None
+    gate_up: Linear | None  # a dense MLP's, or
+    down: Linear | None
     experts: Experts | None  # a mixture of experts
     scores: Scores  # its attention's scale, cap and window
     rope: int = 0  # which of the model's RoPE tables (Gemma 3: 1 for sliding layers)
@@ -256,7 +256,7 @@ class LlamaModel:
                 t = t.narrow(1 if part in ("o", "down") and t.dim() == 2 else 0, tp_rank * n, n)
             return t.to(device=device, dtype=dtype).contiguous()
 
-        def mlp(prefix: str) -> torch.Tensor:  # gate and up, as one GEMM
+        def mlp(prefix: str) -> Linear:  # gate and up, as one GEMM
             return gemm.weight(torch.cat([w(f"{prefix}.gate_proj.weight"),
                                           w(f"{prefix}.up_proj.weight")]))
 

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model.elementwise import Elementwise
-from pdserve.model.linear import Gemm
+from pdserve.model.linear import Gemm, Linear
 
 
 @dataclass(slots=True)
 class Experts:
-    router: torch.Tensor  # [num_experts, hidden]
-    gate_up: list[torch.Tensor]  # per expert [2 * intermediate, hidden], gate first
-    down: list[torch.Tensor]  # per expert [hidden, intermediate]
+    router: Linear  # [num_experts, hidden]
+    gate_up: list[Linear]  # per expert [2 * intermediate, hidden], gate first
+    down: list[Linear]  # per expert [hidden, intermediate]
     top_k: int
     renormalise: bool  # the top-k probabilities rescaled to sum to 1
 

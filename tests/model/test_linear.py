@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.linear import Gemm
+from pdserve.model.linear import FEW_ROWS, Gemm, Weight
 from pdserve.platforms.cpu import has_native_bf16
 
 
@@ -30,3 +30,25 @@ def test_prepacked_product_equals_f_linear(rows):
     assert torch.equal(gemm(x, packed, b), F.linear(x, w, b))
     # A row's result does not depend on what else is in the batch.
     assert torch.equal(gemm(x[:1], packed), gemm(x, packed)[:1])
+
+
+@pytest.mark.skipif(not has_native_bf16(), reason="needs a CPU with bf16 hardware (AMX or "
+                    "AVX512-BF16)")
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100)])  # and tails of both
+def test_few_rows_stream_the_row_major_weight(n, k):
+    """Up to FEW_ROWS rows take pdserve_gemv on the row-major copy: float32 sums rounded
+    once to bf16 (within a bf16 rounding of the exact product), each row independent of the
+    others; more rows take oneDNN's packed weight, F.linear's very numbers."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(FEW_ROWS + 1, k, generator=g).bfloat16()
+    gemm = Gemm.for_model(torch.bfloat16, "cpu")
+    weight = gemm.weight(w)
+    assert isinstance(weight, Weight) and weight.rows.data_ptr() == w.data_ptr()
+    exact = x.double() @ w.double().T + b.double()
+    for rows in range(1, FEW_ROWS + 1):
+        y = gemm(x[:rows], weight, b)
+        assert ((y.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-4).all()
+        assert torch.equal(y[:1], gemm(x[:1], weight, b))
+    assert torch.equal(gemm(x, weight, b), F.linear(x, w, b))

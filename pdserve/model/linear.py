@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from pdserve.model import native
 from pdserve.platforms.cpu import has_native_bf16
 
 FEW_ROWS = 8  # up to this many rows, products stream the row-major weight (pdserve_gemv)
+RAM_SHARE = 8  # row-major copies are kept where the weights take at most 1/8 of the RAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +41,14 @@ class Gemm:
     lib: ctypes.CDLL | None = None  # pdserve_gemv, for the few-row products of a Weight
 
     @classmethod
-    def for_model(cls, dtype: torch.dtype, device: torch.device | str) -> Gemm:
+    def for_model(cls, dtype: torch.dtype, device: torch.device | str,
+                  weight_bytes: int = 0) -> Gemm:
+        """weight_bytes: the model's weights, which the row-major copies would double."""
         prepacked = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
                      and has_native_bf16() and torch.backends.mkldnn.is_available())
-        return cls(prepacked, native.library() if prepacked else None)
+        spare = weight_bytes * RAM_SHARE <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES")
+        return cls(prepacked, native.library() if prepacked and spare else None)
 
     def weight(self, w: torch.Tensor) -> Linear:
         if not self.prepacked:

@@ -234,7 +234,8 @@ class LlamaModel:
         self.dtype = dtype
         weights = _unfused(weights, config)
         self.all_reduce = all_reduce or (lambda t: t)
-        self.gemm = gemm = Gemm.for_model(dtype, device)
+        self.gemm = gemm = Gemm.for_model(dtype, device, sum(
+            t.numel() for t in weights.values()) * dtype.itemsize)
         self.ops = Elementwise.for_model(dtype, device)
         self.paged = PagedAttention.for_model(config.num_heads, config.num_kv_heads,
                                               config.head_dim, dtype, device)

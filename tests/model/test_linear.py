@@ -1,12 +1,15 @@
-"""Gemm: prepacked bf16 weights give the very numbers F.linear gives."""
+"""Gemm: prepacked bf16 weights give the very numbers F.linear gives; products of a few rows
+stream a row-major copy, where there is memory for it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.linear import FEW_ROWS, Gemm, Weight
+from pdserve.model.linear import FEW_ROWS, RAM_SHARE, Gemm, Weight
 from pdserve.platforms.cpu import has_native_bf16
 
 
@@ -47,6 +50,8 @@ def test_few_rows_stream_the_row_major_weight(n, k):
     weight = gemm.weight(w)
     assert isinstance(weight, Weight) and weight.rows.data_ptr() == w.data_ptr()
     exact = x.double() @ w.double().T + b.double()
+    too_big = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // RAM_SHARE + 1
+    assert not isinstance(Gemm.for_model(torch.bfloat16, "cpu", too_big).weight(w), Weight)
     for rows in range(1, FEW_ROWS + 1):
         y = gemm(x[:rows], weight, b)
         assert ((y.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-4).all()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pdserve.model import native
 from pdserve.platforms.cpu import has_native_bf16
 
-FEW_ROWS = 8  # up to this many rows, products stream the row-major weight (pdserve_gemv)
+FEW_ROWS = 12  # up to this many rows, products stream the row-major weight (pdserve_gemv)
 RAM_SHARE = 8  # row-major copies are kept where the weights take at most 1/8 of the RAM
 
 

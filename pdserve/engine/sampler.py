@@ -77,8 +77,9 @@ class Sampler:
 def _greedy_picks(logits: torch.Tensor, reqs: list[Request]
                   ) -> tuple[list[int], list[float], list[TopLogprobs]] | None:
     """sample()'s answer from the C++ kernel when every row is plain greedy (no grammar,
-    penalty or top logprobs): one read of the logits where torch's log_softmax and max take
-    three. None where it does not apply, or found no maximum (a row of NaN): torch decides."""
+    penalty or logprobs asked for): two passes over each row in cache, where torch's
+    log_softmax and max take three over memory. None where it does not apply, or where a
+    row holds NaN or inf or nothing above -inf: torch decides those."""
     plain = all(r.params.greedy and not r.params.penalised and r.matcher is None
                 and not r.params.logprobs for r in reqs)
     if not (plain and logits.dtype == torch.float32 and logits.is_cpu

@@ -21,7 +21,7 @@ class Weight:
     """A bf16 weight in both layouts: oneDNN's blocked one for batches, and row-major for
     products of a few rows, which only stream the weight: C++ reads it in order at ~23 GB/s
     where oneDNN's blocked kernels read ~12 here (a decode step of one sequence: the
-    products 22.5 -> 12.1 ms on 2 Zen 4 cores). The row-major copy costs the weights' size
+    products 20.6 -> 9.8 ms on 2 Zen 4 cores). The row-major copy costs the weights' size
     again, less a tied lm_head's, which is the embedding table itself."""
     packed: torch.Tensor
     rows: torch.Tensor

@@ -1,7 +1,8 @@
 // Greedy picks over float32 logits: each row's first maximum and its log-probability,
 // -log(sum(exp(x - max))), in two passes over a row that stays in cache, where torch makes
 // three passes over memory (log_softmax, then max with indices) and writes a second copy of
-// the logits: 64 rows of 49,152 took 5.1 ms that way and 0.9 ms this way on 2 Zen 4 cores.
+// the logits: a 64-row decode step (49,152-token vocabulary) 143.7 -> 136.3 ms, 2 Zen 4
+// cores.
 #include <cmath>
 #include <cstdint>
 

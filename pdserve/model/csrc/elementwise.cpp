@@ -23,13 +23,6 @@ inline void for_chunks(int64_t dim, F f) {
 }
 
 template <typename T>
-inline f32x16 load_n(const T* p, int64_t m) { return m == kLanes ? load(p) : load_partial(p, m); }
-template <typename T>
-inline void store_n(f32x16 v, T* o, int64_t m) {
-  if (m == kLanes) store(v, o); else store_partial(v, o, m);
-}
-
-template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps,
               int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelFrom)

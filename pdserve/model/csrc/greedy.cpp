@@ -16,7 +16,7 @@ inline int64_t first_max(const float* x, int64_t n) {
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   f32x16 top = f32x16{} - INFINITY, at = f32x16{} - 1;  // per lane: its first maximum
   for (int64_t t = 0; t < n; t += kLanes) {
-    const f32x16 v = t + kLanes <= n ? load(x + t) : load_partial(x + t, n - t, -INFINITY);
+    const f32x16 v = load_n(x + t, n - t, -INFINITY);
     const auto more = v > top;
     top = more ? v : top;
     at = more ? lane + float(t) : at;  // a float holds every index below 2^24 exactly
@@ -32,10 +32,8 @@ inline int64_t first_max(const float* x, int64_t n) {
 // adds e^-87 a lane, nothing beside the maximum's 1).
 inline float log_sum_exp(const float* x, int64_t n, float m) {
   f32x16 total = {};
-  for (int64_t t = 0; t < n; t += kLanes) {
-    const f32x16 v = t + kLanes <= n ? load(x + t) : load_partial(x + t, n - t, -INFINITY);
-    total += exp_approx(v - m);
-  }
+  for (int64_t t = 0; t < n; t += kLanes)
+    total += exp_approx(load_n(x + t, n - t, -INFINITY) - m);
   return std::log(sum(total));
 }
 }  // namespace

@@ -34,7 +34,7 @@ constexpr bool kBf16Dot = false;
 inline void softmax(float* x, int64_t n) {
   f32x16 top = f32x16{} - INFINITY, total = {};
   for (int64_t t = 0; t < n; t += kLanes) {
-    const f32x16 v = t + kLanes <= n ? load(x + t) : load_partial(x + t, n - t, -INFINITY);
+    const f32x16 v = load_n(x + t, n - t, -INFINITY);
     top = v > top ? v : top;
   }
   float m = -INFINITY;
@@ -229,8 +229,7 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
     soft_cap(score + g * n, n, cap);
     softmax(score + g * n, n);
     for (int64_t t = 0; t < n; t += kLanes) {
-      const __m256bh b = _mm512_cvtneps_pbh(__m512(t + kLanes <= n ? load(score + g * n + t)
-                                                   : load_partial(score + g * n + t, n - t)));
+      const __m256bh b = _mm512_cvtneps_pbh(__m512(load_n(score + g * n + t, n - t)));
       std::memcpy(weights + g * even + t, &b, sizeof b);  // the buffer has room past `even`
     }
     if (n % 2) weights[g * even + n] = 0;

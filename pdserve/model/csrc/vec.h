@@ -69,6 +69,17 @@ inline void store_partial(f32x16 v, T* o, int64_t m) {
   std::memcpy(o, tmp, m * sizeof(T));
 }
 
+// The next 16 of the m values left at p (all of them where fewer, the other lanes `pad`),
+// and stored alike: a row's body and tail in one call.
+template <typename T>
+inline f32x16 load_n(const T* p, int64_t m, float pad = 0.f) {
+  return m >= kLanes ? load(p) : load_partial(p, m, pad);
+}
+template <typename T>
+inline void store_n(f32x16 v, T* o, int64_t m) {
+  if (m >= kLanes) store(v, o); else store_partial(v, o, m);
+}
+
 // e^x, 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor polynomial (about 1 ulp), with no
 // library call. Below -87 it stays at e^-87; past 88.72, inf (as expf).
 inline f32x16 exp_approx(f32x16 x) {

@@ -90,7 +90,7 @@ def _greedy_picks(logits: torch.Tensor, reqs: list[Request]
     tokens, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows)
     lib.pdserve_greedy(logits.data_ptr(), rows, vocab, tokens.data_ptr(), logprobs.data_ptr(),
                        torch.get_num_threads())
-    if bool(tokens.lt(0).any()) or bool(logprobs.isnan().any()):
+    if bool(logprobs.isnan().any()):  # the kernel's NaN also marks a row with no maximum
         return None
     return tokens.tolist(), logprobs.tolist(), [[] for _ in reqs]
 

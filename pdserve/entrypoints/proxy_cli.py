@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_keepalive(seconds: int) -> str | None:
-    if not seconds >= 1:
+    if seconds < 1:
         return f"--backend-keepalive must be at least 1 second, not {seconds}"
     return None
 

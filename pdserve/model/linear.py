@@ -60,9 +60,10 @@ class Gemm:
     def __call__(self, x: torch.Tensor, w: Linear, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
         if isinstance(w, Weight):
-            if x.dim() == 2 and x.shape[0] <= FEW_ROWS and (y := self._few_rows(x, w.rows, b)) \
-                    is not None:
-                return y
+            if x.dim() == 2 and x.shape[0] <= FEW_ROWS:
+                y = self._few_rows(x, w.rows, b)
+                if y is not None:
+                    return y
             w = w.packed
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

@@ -35,6 +35,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -11,6 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -28,7 +29,7 @@ from pdserve.kv_transfer.interface import ConnectorContext
 from pdserve.kv_transfer.tp_transport import WorkerKV
 from pdserve.model import loader
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import ModelConfig
+from pdserve.model.llama import LlamaModel, ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.platforms import get_platform
 
@@ -84,9 +85,20 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
         ctx = ConnectorContext(engine_id, dp_rank, tp, config.block_size, cache.block_bytes,
                                tokenizer.vocab_size, local.layer_windows)
         connector = make_connector(kv, ctx, cache, platform, side_channel, group, registry)
-    runner = ModelRunner(TPModel(model, group) if group else model, cache, Sampler(config.seed))
+    runner = ModelRunner(TPModel(model, group) if group else model, cache, Sampler(config.seed),
+                         _graphs(config, model, cache))
     return LLMEngine(config, runner, tokenizer, connector, registry, engine_id, dp_rank,
                      on_close=group.stop if group else None)
+
+
+def _graphs(config: EngineConfig, model: LlamaModel, cache: KVCache) -> DecodeGraphs | None:
+    """CUDA graphs for decode steps on one CUDA device (tensor-parallel ranks run eagerly:
+    their all-reduces would have to be captured too)."""
+    if config.enforce_eager or config.tensor_parallel_size > 1 or cache.tensor.device.type \
+            != "cuda":
+        return None
+    return DecodeGraphs(model, cache, config.max_num_seqs, -(-config.max_model_len //
+                        config.block_size), scratch=cache.num_blocks - 1, capture=True)
 
 
 def _worker_kv(kv: KVTransferConfig | None, engine_id: str, side_channel: tuple[str, int],

@@ -38,7 +38,7 @@ class LLMEngine:
         self.connector = connector
         self.engine_id, self.dp_rank = engine_id, dp_rank
         self._on_close = on_close  # stops what the builder started (tensor-parallel ranks)
-        self.allocator = BlockAllocator(runner.cache.num_blocks, config.enable_prefix_caching)
+        self.allocator = BlockAllocator(runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_id)
         self.metrics.blocks_total.set(self.allocator.num_blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.decode_graphs import DecodeGraphs, Decodes
 from pdserve.engine.prompt_logprobs import PromptSpan, score, span
 from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.sampler import Sampler
@@ -18,11 +19,21 @@ CPU_DECODE_GROUP_TOKENS = 4096
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler) -> None:
+    """`graphs`: where decode-only steps run padded (CUDA graphs); they keep the cache's last
+    block as their scratch block, out of the allocator's `num_blocks`."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
+        self.graphs = graphs
         self.block_size = cache.shape.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV blocks the engine may allocate."""
+        return self.cache.num_blocks - (self.graphs is not None)
 
     @property
     def group_tokens(self) -> int | None:
@@ -35,13 +46,28 @@ class ModelRunner:
         """Compute the scheduled tokens; sample for requests whose known tokens are all
         computed now. Returns (sampled requests, their tokens, logprobs, top logprobs).
         Prefill chunks of requests asking for prompt logprobs append them to the request."""
-        batch, sampled, spans = self.prepare(items)
-        logits = self.model.forward(batch.to(self.cache.tensor.device), self.cache)
-        score(logits[len(sampled):], spans)  # on the device: only the scores come back
+        if (decodes := self._graphed(items)) is not None:
+            sampled, logits = [req for req, _ in items], self.graphs.run(decodes)
+        else:
+            batch, sampled, spans = self.prepare(items)
+            logits = self.model.forward(batch.to(self.cache.tensor.device), self.cache)
+            score(logits[len(sampled):], spans)  # on the device: only the scores come back
         if not sampled:
             return [], [], [], []
         # Sampling runs on the host: per-request seeded generators are CPU generators.
         return sampled, *self.sampler.sample(logits[:len(sampled)].cpu(), sampled)
+
+    def _graphed(self, items: list[tuple[Request, int]]) -> Decodes | None:
+        """The step's rows for `graphs`, where it has them and every item is a decode."""
+        if self.graphs is None:
+            return None
+        d = Decodes()
+        for req, n in items:
+            start = req.num_computed_tokens
+            if n != 1 or start + 1 != len(req.token_ids) or span(req, start, n, 0) is not None:
+                return None
+            d.add(req.token_ids[start], start, req.block_ids, self.block_size)
+        return d if self.graphs.fits(len(d.ids), d.width) else None
 
     def prepare(self, items: list[tuple[Request, int]]
                 ) -> tuple[Batch, list[Request], list[PromptSpan]]:

@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV of prompt prefixes seen before (--no-prefix-caching: off)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="launch every decode step's kernels from Python: no CUDA graphs "
+                        "(CPUs run eagerly anyway)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's names in the API (the first in responses; default: "
                         "the model's own)")
@@ -78,7 +81,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager)
     cfg.validate()
     return cfg
 

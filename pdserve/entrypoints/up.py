@@ -196,7 +196,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     for f in flags:
         if (v := getattr(args, f)) is not None:
             argv += [f"--{f.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
-    return argv
+    return argv + ["--enforce-eager"] * args.enforce_eager
 
 
 def run(args: argparse.Namespace) -> int:

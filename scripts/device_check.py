@@ -1,8 +1,9 @@
 """Device check for a lent GPU machine (torch only; no NIXL, no model wheel there).
 
 Checks the platform's block-copy primitives against CPU results, and greedy output of
-the engine's model path (scheduler + model runner + paged KV cache) on the device
-against the same random-initialised small Llama on CPU, in float32. One line per case.
+the engine's model path (scheduler + model runner + paged KV cache) on the device, eagerly
+and with decode steps replayed from CUDA graphs, against the same random-initialised small
+Llama on CPU, in float32. One line per case.
 
     python scripts/device_check.py --device cuda
 """
@@ -17,6 +18,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.sampler import Sampler
@@ -54,13 +56,15 @@ def random_weights(c: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def generate(device: str, prompts: list[list[int]], layout: str) -> list[list[int]]:
+def generate(device: str, prompts: list[list[int]], layout: str, graphs: bool = False
+             ) -> list[list[int]]:
     c = ModelConfig.from_hf(CONFIG)
     model = LlamaModel(c, random_weights(c), torch.float32, device, max_len=1024)
     cfg = EngineConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
     cache = KVCache(c.kv_shape(16, layout), 128, torch.float32, device)
-    scheduler = Scheduler(cfg, BlockAllocator(128))
-    runner = ModelRunner(model, cache, Sampler())
+    runner = ModelRunner(model, cache, Sampler(), DecodeGraphs(
+        model, cache, 8, 64, scratch=127, capture=True) if graphs else None)
+    scheduler = Scheduler(cfg, BlockAllocator(runner.num_blocks))
     reqs = [Request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
             for i, p in enumerate(prompts)]
     for r in reqs:
@@ -111,6 +115,10 @@ def main() -> int:
         got = generate(args.device, prompts, layout)
         case(f"{args.device} greedy = cpu greedy, {layout}, batch of {len(prompts)}",
              got == want, t0)
+        if args.device == "cuda":
+            t0 = time.monotonic()
+            case(f"cuda graphs greedy = cpu greedy, {layout}",
+                 generate("cuda", prompts, layout, graphs=True) == want, t0)
     return 0 if ok else 1
 
 

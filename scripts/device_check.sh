@@ -17,3 +17,21 @@ w(pathlib.Path('$PDSERVE_TEST_MODEL'), tok, config=json.loads((tok / 'config.jso
 fi
 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/platforms \
   tests/kv_transfer/test_nixl_agent.py "tests/e2e/test_$device.py"
+[ "$device" = cuda ] || exit 0
+# CUDA graphs against eager launches (issue 28), one server at a time: median TPOT one
+# request at a time, and output tok/s with 64 at once; 512 in / 64 out.
+for mode in graphs eager; do
+  port=$((18000 + RANDOM % 2000))
+  python3 -m pdserve.entrypoints.cli serve --device cuda --dtype bfloat16 --port "$port" \
+    ${PDSERVE_TEST_MODEL:+--model "$PDSERVE_TEST_MODEL"} \
+    $([ "$mode" = eager ] && echo --enforce-eager) > "/tmp/serve-$mode.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 180); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+  for c in 1 64; do
+    timeout 300 python3 -m pdserve.entrypoints.cli bench serve --no-progress --ignore-eos \
+      --base-url "http://127.0.0.1:$port" --num-prompts $((c == 1 ? 8 : 128)) \
+      --max-concurrency "$c" --random-input-len 512 --random-output-len 64 --num-warmups 2 \
+      | grep -E "Output token throughput|Median TPOT" | sed "s/^/$mode, $c at once: /"
+  done
+  kill "$pid"; wait "$pid" || true
+done

@@ -92,13 +92,15 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
 
 
 def _graphs(config: EngineConfig, model: LlamaModel, cache: KVCache) -> DecodeGraphs | None:
-    """CUDA graphs for decode steps on one CUDA device (tensor-parallel ranks run eagerly:
-    their all-reduces would have to be captured too)."""
-    if config.enforce_eager or config.tensor_parallel_size > 1 or cache.tensor.device.type \
-            != "cuda":
+    """CUDA graphs for decode steps on one CUDA device. Eager elsewhere: under tensor
+    parallelism (the all-reduces would have to be captured too) and for mixtures of experts
+    (their routing counts tokens per expert on the host)."""
+    if (config.enforce_eager or cache.tensor.device.type != "cuda"
+            or config.tensor_parallel_size > 1 or model.config.moe_layers):
         return None
-    return DecodeGraphs(model, cache, config.max_num_seqs, -(-config.max_model_len //
-                        config.block_size), scratch=cache.num_blocks - 1, capture=True)
+    return DecodeGraphs(model, cache, config.max_num_seqs,
+                        -(-config.max_model_len // config.block_size),
+                        scratch=cache.num_blocks - 1, capture=True)
 
 
 def _worker_kv(kv: KVTransferConfig | None, engine_id: str, side_channel: tuple[str, int],

@@ -7,7 +7,7 @@ import os
 
 from pdserve.config import EngineConfig
 from pdserve.engine import core_loan
-from pdserve.entrypoints import up
+from pdserve.entrypoints import serve, up
 
 
 def test_two_cores_one_prefill_one_decode_get_a_core_each():
@@ -142,3 +142,16 @@ def test_decodes_take_prompts_in_smaller_chunks_than_prefills():
         assert budget(insts["decode0"]) == decode_budget
     bad = sub.choices["up"].parse_args(["--decode-max-num-batched-tokens", "0"])
     assert up.run(bad) == 2
+
+
+def test_enforce_eager_reaches_every_instance():
+    sub = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(sub)
+    serve.add_parser(sub)
+    for flags, eager in (([], False), (["--enforce-eager"], True)):
+        args = sub.choices["up"].parse_args(flags)
+        insts = up.plan(args, up.engine_argv(args))
+        serving = [i for i in insts if "serve" in i.argv]
+        assert len(serving) == 2
+        assert all(("--enforce-eager" in i.argv) == eager for i in serving)
+        assert serve.engine_config(sub.choices["serve"].parse_args(flags)).enforce_eager == eager

@@ -54,8 +54,7 @@ class ModelRunner:
             score(logits[len(sampled):], spans)  # on the device: only the scores come back
         if not sampled:
             return [], [], [], []
-        # Sampling runs on the host: per-request seeded generators are CPU generators.
-        return sampled, *self.sampler.sample(logits[:len(sampled)].cpu(), sampled)
+        return sampled, *self.sampler.sample(logits[:len(sampled)], sampled)
 
     def _graphed(self, items: list[tuple[Request, int]]) -> Decodes | None:
         """The step's rows for `graphs`, where it has them and every item is a decode."""

@@ -27,9 +27,11 @@ class Sampler:
         """Pick one token per row of float32 logits [B, vocab]. Returns the tokens, the
         model's logprob of each and each row's top_logprobs most likely tokens: logprobs
         are of the raw distribution, before penalties, temperature and truncation (vLLM's
-        default), so they describe the model, not the request's sampling."""
+        default), so they describe the model, not the request's sampling. Logits on an
+        accelerator stay there for plain greedy batches: only the tokens come back."""
         if picked := _greedy_picks(logits, reqs):
             return picked
+        logits = logits.cpu()  # per-request seeded generators are CPU generators
         raw = torch.log_softmax(logits, -1)
         # Grammar masks come first: penalties, temperature and truncation then act on the
         # allowed tokens only, and greedy picks the likeliest allowed one. The logprobs above
@@ -76,23 +78,39 @@ class Sampler:
 
 def _greedy_picks(logits: torch.Tensor, reqs: list[Request]
                   ) -> tuple[list[int], list[float], list[TopLogprobs]] | None:
-    """sample()'s answer from the C++ kernel when every row is plain greedy (no grammar,
-    penalty or logprobs asked for): two passes over each row in cache, where torch's
-    log_softmax and max take three over memory. None where it does not apply, or where a
-    row holds NaN or inf or nothing above -inf: torch decides those."""
+    """sample()'s answer when every row is plain greedy (no grammar, penalty or logprobs
+    asked for): on CPU from the C++ kernel (two passes over each row in cache, where torch's
+    log_softmax and max take three over memory), elsewhere on the logits' device. None where
+    it does not apply, or where a row holds NaN or inf or nothing above -inf: the general
+    path decides those."""
     plain = all(r.params.greedy and not r.params.penalised and r.matcher is None
                 and not r.params.logprobs for r in reqs)
-    if not (plain and logits.dtype == torch.float32 and logits.is_cpu
-            and (lib := native.library())):
+    if not plain or logits.dtype != torch.float32:
         return None
+    lib = native.library() if logits.is_cpu else None
+    tokens, logprobs = _kernel_greedy(lib, logits) if lib else _torch_greedy(logits)
+    if bool(logprobs.isnan().any()):  # NaN also marks a row with no maximum
+        return None
+    return tokens.tolist(), logprobs.tolist(), [[] for _ in reqs]
+
+
+def _kernel_greedy(lib, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.contiguous()
     rows, vocab = logits.shape
     tokens, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows)
     lib.pdserve_greedy(logits.data_ptr(), rows, vocab, tokens.data_ptr(), logprobs.data_ptr(),
                        torch.get_num_threads())
-    if bool(logprobs.isnan().any()):  # the kernel's NaN also marks a row with no maximum
-        return None
-    return tokens.tolist(), logprobs.tolist(), [[] for _ in reqs]
+    return tokens, logprobs
+
+
+def _torch_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first maximum of each row and its log-probability, computed where the logits are;
+    one copy of [2, rows] to the host."""
+    top, tokens = logits.max(-1)
+    logprobs = top - logits.logsumexp(-1)
+    logprobs = logprobs.masked_fill(~top.isfinite(), float("nan"))
+    both = torch.stack([tokens.double(), logprobs.double()]).cpu()
+    return both[0].long(), both[1].float()
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], matchers: list) -> None:

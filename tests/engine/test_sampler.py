@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.sampler import Sampler, _greedy_picks, _truncate, apply_penalties
+from pdserve.engine.sampler import (
+    Sampler,
+    _greedy_picks,
+    _torch_greedy,
+    _truncate,
+    apply_penalties,
+)
 from tests.utils import assert_matches_reference, greedy, hf_penalised_greedy, run_engine
 
 VOCAB = 1000
@@ -57,6 +63,22 @@ def test_greedy_kernel_agrees_with_torch():
         assert _greedy_picks(odd, _reqs(4, temperature=0.0)) is None
         tokens, _, _ = Sampler().sample(odd.clone(), _reqs(4, temperature=0.0))
         assert tokens == odd.max(-1).indices.tolist()
+
+
+def test_greedy_on_the_device_agrees_with_the_kernel():
+    """The picks made where the logits are (accelerators; torch ops, run here on CPU): the
+    kernel's tokens and logprobs, and NaN for the rows the kernel leaves to torch."""
+    logits = _logits(6)
+    logits[0, [995, 999]] = 50.0
+    logits[1, [33, 18, 17]] = 50.0
+    logits[3, 7] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 7] = float("inf")
+    tokens, logprobs = _torch_greedy(logits)
+    kernel = _greedy_picks(logits[:3], _reqs(3, temperature=0.0))
+    assert tokens[:3].tolist() == kernel[0] == [995, 17, logits[2].argmax().item()]
+    assert logprobs[:3].tolist() == pytest.approx(kernel[1], abs=1e-5)
+    assert logprobs[3:].isnan().all()
 
 
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}],

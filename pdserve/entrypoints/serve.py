@@ -17,6 +17,21 @@ from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 log = logging.getLogger("pdserve.serve")
 
 
+# A GPU computes a 2048-token step of a small model in a few ms: larger prefill steps there
+# cost running streams little and re-read the weights less often.
+ACCELERATOR_STEP_BUDGET = 2048
+
+
+def _step_budget(device: str) -> int:
+    from pdserve.platforms import get_platform
+
+    try:
+        cpu = device == "cpu" or get_platform(device).name == "cpu"
+    except ValueError:
+        cpu = True  # the engine's build reports the device
+    return EngineConfig().max_num_batched_tokens if cpu else ACCELERATOR_STEP_BUDGET
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=None,
@@ -30,8 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-layout", default=d.kv_layout, choices=["NHD", "HND"])
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="prompt tokens a step may prefill (running decodes ride along)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens a step may prefill (running decodes ride along; "
+                        f"default {d.max_num_batched_tokens} on CPU, "
+                        f"{ACCELERATOR_STEP_BUDGET} on an accelerator)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -79,7 +96,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_batched_tokens=_step_budget(args.device) if args.max_num_batched_tokens is None
+        else args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager)

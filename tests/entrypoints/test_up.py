@@ -129,7 +129,7 @@ def test_decodes_take_prompts_in_smaller_chunks_than_prefills():
     sub = argparse.ArgumentParser().add_subparsers()
     up.add_parser(sub)
     for flags, prefill_budget, decode_budget in (
-            ([], str(EngineConfig().max_num_batched_tokens), str(up.UP_DECODE_PROMPT_BUDGET)),
+            ([], None, str(up.UP_DECODE_PROMPT_BUDGET)),  # a prefill takes its default
             (["--max-num-batched-tokens", "1024", "--decode-max-num-batched-tokens", "64"],
              "1024", "64")):
         args = sub.choices["up"].parse_args(flags)
@@ -154,4 +154,6 @@ def test_enforce_eager_reaches_every_instance():
         serving = [i for i in insts if "serve" in i.argv]
         assert len(serving) == 2
         assert all(("--enforce-eager" in i.argv) == eager for i in serving)
-        assert serve.engine_config(sub.choices["serve"].parse_args(flags)).enforce_eager == eager
+        cfg = serve.engine_config(sub.choices["serve"].parse_args(flags))
+        assert cfg.enforce_eager == eager
+        assert cfg.max_num_batched_tokens == EngineConfig().max_num_batched_tokens  # on CPU

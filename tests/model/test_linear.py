@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.linear import FEW_ROWS, RAM_SHARE, Gemm, Weight
+from pdserve.model.linear import PAIR_ROWS, RAM_SHARE, Gemm, Weight, pair_packed
 from pdserve.platforms.cpu import has_native_bf16
 
 
@@ -38,22 +38,36 @@ def test_prepacked_product_equals_f_linear(rows):
 @pytest.mark.skipif(not has_native_bf16(), reason="needs a CPU with bf16 hardware (AMX or "
                     "AVX512-BF16)")
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100)])  # and tails of both
-def test_few_rows_stream_the_row_major_weight(n, k):
-    """Up to FEW_ROWS rows take pdserve_gemv on the row-major copy: float32 sums rounded
-    once to bf16 (within a bf16 rounding of the exact product), each row independent of the
-    others; more rows take oneDNN's packed weight, F.linear's very numbers."""
+def test_decode_batches_take_the_pair_packed_weight(n, k):
+    """Up to PAIR_ROWS rows take pdserve_pair_gemm on the pair-packed copy: float32 sums
+    rounded once to bf16 (within a bf16 rounding of the exact product), each row's result
+    the same whatever the rows around it; more rows take oneDNN's packed weight, F.linear's
+    very numbers."""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
-    x = torch.randn(FEW_ROWS + 1, k, generator=g).bfloat16()
+    x = torch.randn(PAIR_ROWS + 1, k, generator=g).bfloat16()
     gemm = Gemm.for_model(torch.bfloat16, "cpu")
     weight = gemm.weight(w)
-    assert isinstance(weight, Weight) and weight.rows.data_ptr() == w.data_ptr()
+    assert isinstance(weight, Weight)
+    assert torch.equal(weight.pairs[1, 3, 5], w[16 + 5, 6:8])  # block 1, pair 3, output 5
+    if n % 16:
+        assert not weight.pairs[-1, :, n % 16:].any()  # zero rows pad n
     exact = x.double() @ w.double().T + b.double()
     too_big = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // RAM_SHARE + 1
     assert not isinstance(Gemm.for_model(torch.bfloat16, "cpu", too_big).weight(w), Weight)
-    for rows in range(1, FEW_ROWS + 1):
+    alone = gemm(x[-2:-1], weight, b)
+    for rows in (*range(1, 14), 24, 47, PAIR_ROWS):
         y = gemm(x[:rows], weight, b)
         assert ((y.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-4).all()
         assert torch.equal(y[:1], gemm(x[:1], weight, b))
+    assert torch.equal(gemm(x[:PAIR_ROWS], weight, b)[-1:], alone)  # the 64th row alone
     assert torch.equal(gemm(x, weight, b), F.linear(x, w, b))
+
+
+def test_pair_packing_needs_an_even_width():
+    gemm = Gemm.for_model(torch.bfloat16, "cpu")
+    if gemm.lib is None:
+        pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
+    assert not isinstance(gemm.weight(torch.randn(32, 7).bfloat16()), Weight)
+    assert pair_packed(torch.arange(64.).view(2, 32)).shape == (1, 16, 16, 2)

@@ -389,7 +389,8 @@ inline float max_lanes(f32x16 x) {  // a tree, like sum()
   const f32x4 b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
   const f32x4 b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const f32x4 b = b0 > b1 ? b0 : b1;
-  return std::fmax(std::fmax(b[0], b[2]), std::fmax(b[1], b[3]));
+  const float c0 = b[0] > b[2] ? b[0] : b[2], c1 = b[1] > b[3] ? b[1] : b[3];
+  return c0 > c1 ? c0 : c1;
 }
 
 // Loaded once for several multiply-adds: left to itself GCC folds the load into each of them,
@@ -419,41 +420,60 @@ inline void score_span(const Rows<C, R>& st, const float* kt, int64_t g, f32x16 
 }
 
 // Folds the scores sc into the rows' running max and sum, rescaling what was summed before;
-// st.p gets the span's unnormalised probabilities. `last` is the rows' final group, where
-// keys past each row's own position are masked out.
-template <int C, int R, int NG>
+// st.p gets the span's unnormalised probabilities. Masked: the span holds keys past a row's
+// own position or, in a window, before its first key, which then weigh nothing. Each step
+// runs over all R rows before the next, so that their exponentials (chains of dependent
+// multiply-adds) overlap rather than wait on one row's maximum at a time.
+template <int C, int R, int NG, bool Masked>
 inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t first,
                          const Attn& a) {
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  decltype(lane < lane) valid[R][NG];
+  f32x16 top[R], total[R];
   for (int r = 0; r < R; ++r) {
-    // Keys past the row's own position (in the last group) and, in a window, before its
-    // first one are masked out.
-    decltype(lane < lane) valid[NG];
-    f32x16 top = f32x16{} - INFINITY, total = {};
+    top[r] = f32x16{} - INFINITY;
+    total[r] = f32x16{};
     for (int j = 0; j < NG; ++j) {
-      const int64_t key0 = (g + j) * kLanes;
-      valid[j] = lane <= float(first + r - key0);
-      if (a.window) valid[j] = valid[j] & (lane >= float(first + r - a.window + 1 - key0));
       if (a.cap > 0)
         for (int i = 0; i < kLanes; ++i) sc[r][j][i] = a.cap * std::tanh(sc[r][j][i] / a.cap);
-      sc[r][j] = valid[j] ? sc[r][j] : f32x16{} - INFINITY;
-      top = sc[r][j] > top ? sc[r][j] : top;
+      if constexpr (Masked) {
+        const int64_t key0 = (g + j) * kLanes;
+        valid[r][j] = lane <= float(first + r - key0);
+        if (a.window) valid[r][j] &= lane >= float(first + r - a.window + 1 - key0);
+        sc[r][j] = valid[r][j] ? sc[r][j] : f32x16{} - INFINITY;
+      }
+      top[r] = sc[r][j] > top[r] ? sc[r][j] : top[r];
     }
-    const float m = std::fmax(max_lanes(top), st.m[r]);
+  }
+  float m[R];
+  for (int r = 0; r < R; ++r) m[r] = max_lanes(top[r]) > st.m[r] ? max_lanes(top[r]) : st.m[r];
+  for (int r = 0; r < R; ++r)
     for (int j = 0; j < NG; ++j) {
-      const f32x16 e = exp_approx(sc[r][j] - m);  // NaN where a whole span is masked
-      const f32x16 p = valid[j] ? e : f32x16{};
-      store(p, st.p[r] + j * kLanes);
-      total += p;
+      f32x16 e = exp_nonpositive(sc[r][j] - m[r]);  // NaN where a whole span is masked
+      if constexpr (Masked) e = valid[r][j] ? e : f32x16{};
+      store(e, st.p[r] + j * kLanes);
+      total[r] += e;
     }
-    if (m != st.m[r]) {  // a new maximum: rescale what was summed so far
-      const float alpha = exp_approx(f32x16{} + (st.m[r] - m))[0];
+  for (int r = 0; r < R; ++r) {
+    if (m[r] != st.m[r]) {  // a new maximum: rescale what was summed so far
+      const float alpha = exp_nonpositive(f32x16{} + (st.m[r] - m[r]))[0];
       st.l[r] *= alpha;
       for (int c = 0; c < C; ++c) st.o[r][c] *= alpha;
-      st.m[r] = m;
+      st.m[r] = m[r];
     }
-    st.l[r] += sum(total);
+    st.l[r] += sum(total[r]);
   }
+}
+
+// softmax_span, masking only where the span needs it: keys up to the first row's position,
+// and in a window from the last row's first key, weigh in every row.
+template <int C, int R, int NG>
+inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t first,
+                         const Attn& a) {
+  if ((g + NG) * kLanes - 1 > first || (a.window && g * kLanes < first + R - a.window))
+    softmax_span<C, R, NG, true>(st, sc, g, first, a);
+  else
+    softmax_span<C, R, NG, false>(st, sc, g, first, a);
 }
 
 // Folds NG groups of 16 keys, from group g, into the rows' state (float32 throughout).
@@ -546,15 +566,13 @@ inline int64_t first_span(int64_t position, int64_t window) {
   return key / (kSpan * kLanes) * kSpan;
 }
 
-// R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16, and
-// tiles start at multiples of R, so every row of a tile ends in the same 16-key group, and
-// spans start at fixed multiples of kSpan groups: each row's arithmetic is the same whatever
-// chunk or tile it comes in (a prompt computed in one chunk or several gives bit-identical
-// results). `rows` < R at a chunk's edges.
+// R consecutive query rows of one head, at positions first, first + 1, ...: R divides 16 and
+// a tile's rows never straddle a multiple of 16, so every row of a tile ends in the same
+// 16-key group, and spans start at fixed multiples of kSpan groups: each row's arithmetic is
+// the same whatever chunk or tile it comes in (a prompt computed in one chunk or several gives
+// bit-identical results). `rows` < R at a chunk's edges.
 template <typename T, int C, int R>
-void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Staged<T>* kt,
-                 const Staged<T>* vt, int64_t first, int rows, const Attn& a) {
-  Rows<C, R> st;
+void start_rows(Rows<C, R>& st, const T* q, int64_t q_stride, int rows, const Attn& a) {
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) st.o[r][c] = f32x16{};
     if constexpr (std::is_same_v<Staged<T>, uint32_t>) {  // pairs of bf16 dims, unscaled
@@ -571,18 +589,61 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
     st.m[r] = -INFINITY;
     st.l[r] = 0.f;
   }
-  const int64_t last = first / kLanes;
-  for (int64_t g = first_span(first / R * R, a.window); g <= last; g += kSpan) {
-    switch (last - g + 1 < kSpan ? int(last - g + 1) : kSpan) {
-      case 1: fold<C, R, 1>(st, kt, vt, g, first, a); break;
-      case 2: fold<C, R, 2>(st, kt, vt, g, first, a); break;
-      case 3: fold<C, R, 3>(st, kt, vt, g, first, a); break;
-      default: fold<C, R, kSpan>(st, kt, vt, g, first, a);
-    }
+}
+
+// Folds the span of groups from g (at most kSpan, none past `last`) into the rows' state.
+template <typename T, int C, int R>
+inline void fold_any(Rows<C, R>& st, const Staged<T>* kt, const Staged<T>* vt, int64_t g,
+                     int64_t last, int64_t first, const Attn& a) {
+  switch (last - g + 1 < kSpan ? int(last - g + 1) : kSpan) {
+    case 1: return fold<C, R, 1>(st, kt, vt, g, first, a);
+    case 2: return fold<C, R, 2>(st, kt, vt, g, first, a);
+    case 3: return fold<C, R, 3>(st, kt, vt, g, first, a);
+    default: return fold<C, R, kSpan>(st, kt, vt, g, first, a);
   }
+}
+
+template <typename T, int C, int R>
+void finish_rows(const Rows<C, R>& st, T* out, int64_t out_stride, int rows) {
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < C; ++c)
       store(st.o[r][c] * (1.f / st.l[r]), out + r * out_stride + c * kLanes);
+}
+
+// The query positions [start, end) of one 16-aligned tile, for query heads hq .. hq + n - 1
+// of one KV head (q and out at the tile's first row and head hq), swept span by span: a span's
+// staged K and V (16 KB at dim 64) come from L3 once for every row of the unit and stay in L1
+// while its R-row sub-tiles fold them in. One row tile at a time read each span once per R
+// rows, and an 8k-token prompt's attention was bound by that traffic.
+template <typename T, int C, int R>
+void attend_tile(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Staged<T>* kt,
+                 const Staged<T>* vt, int64_t start, int64_t end, int heads, const Attn& a) {
+  constexpr int64_t dim = C * kLanes;
+  constexpr int S = kLanes / R;  // sub-tiles of a head
+  thread_local std::vector<Rows<C, R>> st;
+  st.resize(size_t(heads) * S);
+  int64_t first[S];
+  int rows[S];
+  for (int i = 0; i < S; ++i) {  // sub-tile i: positions from the multiple of R it starts at
+    const int64_t lo = start / kLanes * kLanes + i * R;
+    first[i] = lo > start ? lo : start;
+    rows[i] = int((lo + R < end ? lo + R : end) - first[i]);
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < S; ++i)
+      if (rows[i] > 0)
+        start_rows<T, C, R>(st[h * S + i], q + (first[i] - start) * q_stride + h * dim, q_stride,
+                            rows[i], a);
+  const int64_t last = start / kLanes;
+  for (int64_t g = first_span(start, a.window); g <= last; g += kSpan)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < S; ++i)
+        if (rows[i] > 0) fold_any<T, C, R>(st[h * S + i], kt, vt, g, last, first[i], a);
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < S; ++i)
+      if (rows[i] > 0)
+        finish_rows<T, C, R>(st[h * S + i], out + (first[i] - start) * out_stride + h * dim,
+                             out_stride, rows[i]);
 }
 
 template <typename T>
@@ -601,7 +662,11 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
   constexpr int R = 16 / C;  // O's accumulators fill half the vector registers
   constexpr int64_t dim = C * kLanes;
   const int64_t keys = pos + n, groups = (keys + kLanes - 1) / kLanes, group = heads / kv_heads;
-  const int64_t first_tile = pos / R, tiles = (keys + R - 1) / R - first_tile;
+  const int64_t first_tile = pos / kLanes, tiles = groups - first_tile;
+  // A unit: one tile and a KV head's whole group of query heads (they read the same K/V),
+  // or one query head where that leaves too few units to share among the threads.
+  const int64_t unit_heads = tiles * kv_heads >= 4 * threads ? group : 1;
+  const int64_t units = heads / unit_heads;
   // One KV head's staged K, then its V: a value per word in float32, two in bf16 pairs.
   const int64_t per_head = groups * kLanes * dim / (std::is_same_v<Staged<T>, float> ? 1 : 2);
   thread_local std::vector<Staged<T>> staged;
@@ -609,7 +674,7 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
   Staged<T>* kt = staged.data();
   Staged<T>* vt = kt + kv_heads * per_head;
   // In a window: the groups the first tile reads on, and the first key any row sees.
-  const int64_t first_group = first_span(first_tile * R, a.window);
+  const int64_t first_group = first_span(pos, a.window);
   const int64_t begin = a.window && pos >= a.window ? pos - a.window + 1 : 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -619,13 +684,14 @@ void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, cons
         stage(k0, table, begin, keys, dim, s, h, g, kt + h * per_head, vt + h * per_head);
 #pragma omp for schedule(dynamic) collapse(2)
     for (int64_t i = tiles - 1; i >= 0; --i)  // the longest rows first: better balance
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const int64_t start = (first_tile + i) * R > pos ? (first_tile + i) * R : pos;
-        const int64_t end = (first_tile + i + 1) * R < keys ? (first_tile + i + 1) * R : keys;
-        const int64_t row = start - pos, h = hq / group;
-        attend_rows<T, C, R>(q + row * q_stride + hq * dim, q_stride,
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t start = (first_tile + i) * kLanes > pos ? (first_tile + i) * kLanes : pos;
+        const int64_t end = (first_tile + i + 1) * kLanes < keys ? (first_tile + i + 1) * kLanes
+                                                                  : keys;
+        const int64_t row = start - pos, hq = u * unit_heads, h = hq / group;
+        attend_tile<T, C, R>(q + row * q_stride + hq * dim, q_stride,
                              out + row * out_stride + hq * dim, out_stride, kt + h * per_head,
-                             vt + h * per_head, start, int(end - start), a);
+                             vt + h * per_head, start, end, int(unit_heads), a);
       }
   }
 }

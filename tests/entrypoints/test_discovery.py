@@ -120,7 +120,9 @@ class _Served(_Backend):
 
     def do_POST(self):
         super().do_POST()
-        self.at.append((self.server.server_address[0], self.seen[-1][1]))
+        # This request's own body: seen[-1] may already be the next leg's, sent to another
+        # backend as soon as this one answered.
+        self.at.append((self.server.server_address[0], self.body))
 
 
 def _backend(addr: str, port: int) -> ThreadingHTTPServer:

@@ -24,7 +24,7 @@ class _Backend(BaseHTTPRequestHandler):
         self._answer({"status": "ok"})
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.body = body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append((self.headers["X-Request-Id"], body))
         prefill = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
         self._answer({"id": "x", "choices": [{"index": 0, "text": "ok"}],
@@ -82,7 +82,7 @@ class _Draining(_Backend):
     seen: list[tuple[str, dict]] = []
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.body = body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append((self.headers["X-Request-Id"], body))
         data = b'{"error": {"message": "the server is shutting down (draining)"}}'
         self.send_response(503)

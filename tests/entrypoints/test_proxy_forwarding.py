@@ -82,7 +82,7 @@ class _Draining(_Backend):
     seen: list[tuple[str, dict]] = []
 
     def do_POST(self):
-        self.body = body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append((self.headers["X-Request-Id"], body))
         data = b'{"error": {"message": "the server is shutting down (draining)"}}'
         self.send_response(503)

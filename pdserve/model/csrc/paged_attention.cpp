@@ -446,17 +446,20 @@ inline void softmax_span(Rows<C, R>& st, f32x16 (&sc)[R][NG], int64_t g, int64_t
     }
   }
   float m[R];
-  for (int r = 0; r < R; ++r) m[r] = max_lanes(top[r]) > st.m[r] ? max_lanes(top[r]) : st.m[r];
+  for (int r = 0; r < R; ++r) {
+    const float t = max_lanes(top[r]);
+    m[r] = t > st.m[r] ? t : st.m[r];
+  }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NG; ++j) {
-      f32x16 e = exp_nonpositive(sc[r][j] - m[r]);  // NaN where a whole span is masked
+      f32x16 e = exp_no_overflow(sc[r][j] - m[r]);  // NaN where a whole span is masked
       if constexpr (Masked) e = valid[r][j] ? e : f32x16{};
       store(e, st.p[r] + j * kLanes);
       total[r] += e;
     }
   for (int r = 0; r < R; ++r) {
     if (m[r] != st.m[r]) {  // a new maximum: rescale what was summed so far
-      const float alpha = exp_nonpositive(f32x16{} + (st.m[r] - m[r]))[0];
+      const float alpha = exp_no_overflow(f32x16{} + (st.m[r] - m[r]))[0];
       st.l[r] *= alpha;
       for (int c = 0; c < C; ++c) st.o[r][c] *= alpha;
       st.m[r] = m[r];
@@ -610,8 +613,8 @@ void finish_rows(const Rows<C, R>& st, T* out, int64_t out_stride, int rows) {
       store(st.o[r][c] * (1.f / st.l[r]), out + r * out_stride + c * kLanes);
 }
 
-// The query positions [start, end) of one 16-aligned tile, for query heads hq .. hq + n - 1
-// of one KV head (q and out at the tile's first row and head hq), swept span by span: a span's
+// The query positions [start, end) of one 16-aligned tile, for `heads` query heads of one KV
+// head (q and out at the tile's first row and first head), swept span by span: a span's
 // staged K and V (16 KB at dim 64) come from L3 once for every row of the unit and stay in L1
 // while its R-row sub-tiles fold them in. One row tile at a time read each span once per R
 // rows, and an 8k-token prompt's attention was bound by that traffic.
@@ -620,30 +623,31 @@ void attend_tile(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
                  const Staged<T>* vt, int64_t start, int64_t end, int heads, const Attn& a) {
   constexpr int64_t dim = C * kLanes;
   constexpr int S = kLanes / R;  // sub-tiles of a head
-  thread_local std::vector<Rows<C, R>> st;
-  st.resize(size_t(heads) * S);
+  // The sub-tiles holding [start, end): i0 .. i1 - 1, sub-tile i from the multiple of R it
+  // starts at (or `start`), to the next (or `end`).
+  const int64_t base = start / kLanes * kLanes;
+  const int i0 = int((start - base) / R), i1 = int((end - base + R - 1) / R);
   int64_t first[S];
   int rows[S];
-  for (int i = 0; i < S; ++i) {  // sub-tile i: positions from the multiple of R it starts at
-    const int64_t lo = start / kLanes * kLanes + i * R;
+  for (int i = i0; i < i1; ++i) {
+    const int64_t lo = base + i * R;
     first[i] = lo > start ? lo : start;
     rows[i] = int((lo + R < end ? lo + R : end) - first[i]);
   }
+  thread_local std::vector<Rows<C, R>> st;
+  st.resize(size_t(heads) * S);
   for (int h = 0; h < heads; ++h)
-    for (int i = 0; i < S; ++i)
-      if (rows[i] > 0)
-        start_rows<T, C, R>(st[h * S + i], q + (first[i] - start) * q_stride + h * dim, q_stride,
-                            rows[i], a);
+    for (int i = i0; i < i1; ++i)
+      start_rows<T, C, R>(st[h * S + i], q + (first[i] - start) * q_stride + h * dim, q_stride,
+                          rows[i], a);
   const int64_t last = start / kLanes;
   for (int64_t g = first_span(start, a.window); g <= last; g += kSpan)
     for (int h = 0; h < heads; ++h)
-      for (int i = 0; i < S; ++i)
-        if (rows[i] > 0) fold_any<T, C, R>(st[h * S + i], kt, vt, g, last, first[i], a);
+      for (int i = i0; i < i1; ++i) fold_any<T, C, R>(st[h * S + i], kt, vt, g, last, first[i], a);
   for (int h = 0; h < heads; ++h)
-    for (int i = 0; i < S; ++i)
-      if (rows[i] > 0)
-        finish_rows<T, C, R>(st[h * S + i], out + (first[i] - start) * out_stride + h * dim,
-                             out_stride, rows[i]);
+    for (int i = i0; i < i1; ++i)
+      finish_rows<T, C, R>(st[h * S + i], out + (first[i] - start) * out_stride + h * dim,
+                           out_stride, rows[i]);
 }
 
 template <typename T>

@@ -80,9 +80,11 @@ inline void store_n(f32x16 v, T* o, int64_t m) {
   if (m >= kLanes) store(v, o); else store_partial(v, o, m);
 }
 
-// e^x for x in [-87, 88.72] (or NaN), 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor
-// polynomial (about 1 ulp), with no library call.
-inline f32x16 exp_in_range(f32x16 x) {
+// e^x for x up to 88.72 (or NaN), 2^n * e^r with |r| <= ln2/2 by a degree-7 Taylor
+// polynomial (about 1 ulp), with no library call; below -87 it stays at e^-87. A softmax's
+// shifted scores (<= 0) call it directly: they cannot overflow.
+inline f32x16 exp_no_overflow(f32x16 x) {
+  x = x < -87.f ? f32x16{} - 87.f : x;
   const f32x16 shifter = f32x16{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to integer
   const f32x16 n = (x * 1.44269504f + shifter) - shifter;
   const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
@@ -94,16 +96,10 @@ inline f32x16 exp_in_range(f32x16 x) {
   return p * scale;
 }
 
-// e^x: below -87 it stays at e^-87; past 88.72, inf (as expf).
+// e^x: past 88.72, inf (as expf).
 inline f32x16 exp_approx(f32x16 x) {
   const auto overflow = x > 88.72f;
-  x = x < -87.f ? f32x16{} - 87.f : x;
-  return overflow ? f32x16{} + INFINITY : exp_in_range(overflow ? f32x16{} : x);
-}
-
-// e^x for x <= 0 (scores less their maximum), with nothing to overflow: a softmax's.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  return exp_in_range(x < -87.f ? f32x16{} - 87.f : x);
+  return overflow ? f32x16{} + INFINITY : exp_no_overflow(overflow ? f32x16{} : x);
 }
 
 inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same order

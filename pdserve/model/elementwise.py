@@ -25,14 +25,20 @@ class Elementwise:
         fits = torch.device(device).type == "cpu" and dtype in native.DTYPES
         return cls(native.library() if fits else None)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x [rows, dim]; with `add`, of x + add, the sum kept in x (x must then
+        be contiguous and the caller's to change): a residual stream and its next norm."""
+        if add is not None:
+            assert x.is_contiguous(), "the residual sum is kept in x"
         if self.lib is None:
-            return rms_norm(x, weight, eps)
-        x = x.contiguous()
+            return rms_norm(x if add is None else x.add_(add), weight, eps)
+        x, add = x.contiguous(), None if add is None else add.contiguous()
         out = torch.empty_like(x)
-        self.lib.pdserve_rms_norm(native.DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(),
-                                  out.data_ptr(), x.shape[0], x.shape[1], eps,
-                                  torch.get_num_threads())
+        self.lib.pdserve_rms_norm(native.DTYPES[x.dtype], x.data_ptr(),
+                                  None if add is None else add.data_ptr(),
+                                  weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                  eps, torch.get_num_threads())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

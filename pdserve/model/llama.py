@@ -319,25 +319,29 @@ class LlamaModel:
         ropes = [(cos[batch.positions].to(self.dtype), sin[batch.positions].to(self.dtype))
                  for cos, sin in self.ropes]
         linear = self.gemm
+        # The residual stream h takes each attention's and MLP's output (`delta`) in the
+        # call of the norm after it: the sum and the norm in one pass.
+        delta = None
         for i, layer in enumerate(self.layers):
             self.checkpoint()
-            x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps)
+            x = self.ops.rms_norm(h, layer.ln1, c.rms_norm_eps, delta)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
             q, k, v = self.ops.rope_store(qkv, c.num_heads, *ropes[layer.rope], cache, i,
                                           batch.slot_blocks, batch.slot_offsets)
             out = self.all_reduce(linear(self._attention(i, q, k, v, batch, cache), layer.o))
-            h = h + self._post_norm(out, layer.post_attn)
+            delta = self._post_norm(out, layer.post_attn)
             self.checkpoint()
-            x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps)
+            x = self.ops.rms_norm(h, layer.ln2, c.rms_norm_eps, delta)
             if layer.experts is not None:
-                h = h + self.all_reduce(layer.experts(x, linear, self.ops))
+                delta = self.all_reduce(layer.experts(x, linear, self.ops))
                 continue
             x = self.mlp_act(linear(x, layer.gate_up))
             self.checkpoint()
-            h = h + self._post_norm(self.all_reduce(linear(x, layer.down)), layer.post_mlp)
-        h = self.ops.rms_norm(h[batch.logits_index], self.norm, c.rms_norm_eps)
+            delta = self._post_norm(self.all_reduce(linear(x, layer.down)), layer.post_mlp)
+        rows = batch.logits_index  # the last sum only where logits are wanted
+        h = self.ops.rms_norm(h[rows], self.norm, c.rms_norm_eps, delta[rows])
         # The sampler and logprobs see the capped logits, as HF's generate does.
         return gemma.softcap(linear(h, self.lm_head).float(),
                              c.gemma.final_softcap if c.gemma else None)
@@ -361,8 +365,7 @@ class LlamaModel:
         scores = self.layers[layer].scores
         for d in batch.decodes:
             if self.paged is not None:
-                out[d.index] = self.paged.decode(q[d.index], cache, layer, d.tables, d.lens,
-                                                 scores)
+                self.paged.decode(q, out, d.index, cache, layer, d.tables, d.lens, scores)
                 continue
             kc, vc = cache.gather(layer, d.tables)
             out[d.index] = attention.decode(q[d.index], kc, vc, d.lens, d.mask, scores)

@@ -24,11 +24,11 @@ CSRC = Path(__file__).with_name("csrc")
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernels' dtypes, as their `bf16` flag
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
-    "pdserve_paged_decode": (_INT, [_INT, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 10, _F32,
-                                    _F32, _I64, _INT]),
+    "pdserve_paged_decode": (_INT, [_INT, _PTR, _I64, _PTR, _I64, *[_PTR] * 4,
+                                    *[_I64] * 10, _F32, _F32, _I64, _INT]),
     "pdserve_paged_chunk": (_INT, [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 10,
                                    _F32, _F32, _I64, _INT]),
-    "pdserve_rms_norm": (None, [_INT, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
+    "pdserve_rms_norm": (None, [_INT, *[_PTR] * 4, _I64, _I64, _F32, _INT]),
     "pdserve_silu_mul": (None, [_INT, _PTR, _PTR, _I64, _I64, _INT]),
     "pdserve_pair_gemm": (_INT, [*[_PTR] * 4, *[_I64] * 3, _INT]),
     "pdserve_greedy": (None, [_PTR, _I64, _I64, _PTR, _PTR, _INT]),

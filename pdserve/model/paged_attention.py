@@ -37,21 +37,22 @@ class PagedAttention:
         lib = native.library() if fits else None
         return cls(lib) if lib else None
 
-    def decode(self, q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Tensor,
-               lens: torch.Tensor, s: Scores) -> torch.Tensor:
-        """Attention of single-token queries q [seqs, heads, dim] over the first lens[i]
-        cached tokens of block table row i (their last s.window, in a window); returns
-        [seqs, heads, dim]. Blocks wholly before a window are not read."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
+    def decode(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, cache: KVCache,
+               layer: int, tables: torch.Tensor, lens: torch.Tensor, s: Scores) -> None:
+        """Attention of single-token queries: query i is row rows[i] of q [T, heads, dim],
+        over the first lens[i] cached tokens of block table row i (their last s.window, in a
+        window), into the same row of out [T, heads, dim]. q and out may be views of larger
+        tensors (each token's heads contiguous): a step's decodes are read and written in
+        place. Blocks wholly before a window are not read."""
+        _, heads, dim = q.shape
+        assert q.stride()[1:] == out.stride()[1:] == (dim, 1), "heads must be contiguous"
         k0, block, kv, token, head = cache.layer_slots(layer)
-        seqs, heads, dim = q.shape
         self._check(self.lib.pdserve_paged_decode(
-            native.DTYPES[cache.tensor.dtype], q.data_ptr(), out.data_ptr(), k0,
-            tables.data_ptr(), lens.data_ptr(), seqs, tables.shape[1], heads,
-            cache.shape.num_kv_heads, dim, cache.shape.block_size, block, kv, token, head,
-            *_scores(s), torch.get_num_threads()), heads, cache, dim)
-        return out
+            native.DTYPES[cache.tensor.dtype], q.data_ptr(), q.stride(0), out.data_ptr(),
+            out.stride(0), rows.data_ptr(), k0, tables.data_ptr(), lens.data_ptr(),
+            rows.shape[0], tables.shape[1], heads, cache.shape.num_kv_heads, dim,
+            cache.shape.block_size, block, kv, token, head, *_scores(s),
+            torch.get_num_threads()), heads, cache, dim)
 
     def chunk(self, q: torch.Tensor, out: torch.Tensor, cache: KVCache, layer: int,
               table: torch.Tensor, pos: int, s: Scores) -> None:

@@ -37,6 +37,13 @@ def _case(layout: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, 
     return cache, group, q
 
 
+def _decode(kernel: PagedAttention, q, cache, layer, tables, lens, s) -> torch.Tensor:
+    """The kernel's decodes of q [seqs, heads, dim] (row i: table row i), as a new tensor."""
+    out = torch.empty_like(q)
+    kernel.decode(q, out, torch.arange(q.shape[0]), cache, layer, tables, lens, s)
+    return out
+
+
 def _reference(q, cache: KVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
     kc, vc = cache.gather(layer, group.tables)
     qd = q.float().unflatten(1, (kc.shape[1], -1))
@@ -51,7 +58,7 @@ def test_matches_attention_float32(layout, heads, kv_heads, dim):
     assert kernel is not None, "the kernel did not build (is g++ on PATH?)"
     cache, group, q = _case(layout, torch.float32, heads, kv_heads, dim)
     for layer in range(3):
-        got = kernel.decode(q, cache, layer, group.tables, group.lens, Scores(dim ** -0.5))
+        got = _decode(kernel, q, cache, layer, group.tables, group.lens, Scores(dim ** -0.5))
         torch.testing.assert_close(got, _reference(q, cache, layer, group), atol=2e-6, rtol=1e-5)
 
 
@@ -63,7 +70,7 @@ def test_bfloat16_as_close_as_torchs_bfloat16_attention(layout):
     error (torch keeps a lone query's weights in float32: 1.25x less error here)."""
     kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
     cache, group, q = _case(layout, torch.bfloat16, 9, 3, 64)
-    got = kernel.decode(q, cache, 1, group.tables, group.lens, PLAIN).float()
+    got = _decode(kernel, q, cache, 1, group.tables, group.lens, PLAIN).float()
     want = _reference(q, cache, 1, group)
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2 ** -126)
     err = (got - want).abs()
@@ -82,14 +89,31 @@ def test_results_do_not_depend_on_threads_or_batch():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        both = kernel.decode(q, cache, 0, group.tables, group.lens, PLAIN)
+        both = _decode(kernel, q, cache, 0, group.tables, group.lens, PLAIN)
         torch.set_num_threads(1)
-        one = kernel.decode(q, cache, 0, group.tables, group.lens, PLAIN)
+        one = _decode(kernel, q, cache, 0, group.tables, group.lens, PLAIN)
     finally:
         torch.set_num_threads(threads)
-    alone = kernel.decode(q[4:5], cache, 0, group.tables[4:5], group.lens[4:5], PLAIN)
+    alone = _decode(kernel, q[4:5], cache, 0, group.tables[4:5], group.lens[4:5], PLAIN)
     assert torch.equal(both, one)
     assert torch.equal(alone, one[4:5])
+
+
+def test_reads_and_writes_its_rows_in_place():
+    """Decodes among a step's other tokens: query i is row rows[i] of a view into q, k and v
+    together (as the forward's q is), its output that row of `out`; other rows untouched."""
+    kernel = PagedAttention.for_model(9, 3, 64, torch.bfloat16, "cpu")
+    cache, group, q = _case("NHD", torch.bfloat16, 9, 3, 64)
+    want = _decode(kernel, q, cache, 0, group.tables, group.lens, PLAIN)
+    rows = torch.tensor([7, 2, 9, 0, 4, 11])  # scattered, out of order
+    qkv = torch.zeros(12, 9 + 2 * 3, 64, dtype=torch.bfloat16)
+    qkv[rows, :9] = q
+    out = torch.full((12, 9, 64), 5.0, dtype=torch.bfloat16)
+    kernel.decode(qkv[:, :9], out, rows, cache, 0, group.tables, group.lens, PLAIN)
+    assert torch.equal(out[rows], want)
+    others = torch.ones(12, dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 5.0).all()
 
 
 def test_declines_what_it_has_no_variant_for():
@@ -223,7 +247,7 @@ def test_windows_and_caps_float32(s):
                                    atol=2e-6, rtol=1e-5)
     cache, group, q = _case("NHD", torch.float32, 9, 3, 64)
     kc, vc = cache.gather(1, group.tables)
-    got = kernel.decode(q, cache, 1, group.tables, group.lens, s)
+    got = _decode(kernel, q, cache, 1, group.tables, group.lens, s)
     torch_path = attention.decode(q, kc, vc, group.lens, group.mask, s)
     for i, n in enumerate(LENS):
         keys = torch.arange(n)
@@ -244,10 +268,10 @@ def test_windows_read_no_block_before_them(dtype):
     want = torch.empty_like(q[pos:])
     kernel.chunk(q[pos:], want, cache, 0, table, pos, s)
     lens, tables = torch.tensor([pos + 1, q.shape[0]]), table.repeat(2, 1)
-    decoded = kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s)
+    decoded = _decode(kernel, q[pos:pos + 2], cache, 0, tables, lens, s)
     cache.tensor[table[0, :(pos - s.window + 1) // BS]] = float("nan")
     got = torch.empty_like(q[pos:])
     kernel.chunk(q[pos:], got, cache, 0, table, pos, s)
     assert torch.equal(got, want)
-    assert torch.equal(kernel.decode(q[pos:pos + 2], cache, 0, tables, lens, s),
+    assert torch.equal(_decode(kernel, q[pos:pos + 2], cache, 0, tables, lens, s),
                        decoded)

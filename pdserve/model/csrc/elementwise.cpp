@@ -23,12 +23,16 @@ inline void for_chunks(int64_t dim, F f) {
 }
 
 template <typename T>
-void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps,
+void rms_norm(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t dim, float eps,
               int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * dim;
+    T* xr = x + r * dim;
     T* o = out + r * dim;
+    if (add)  // the residual sum first, rounded as torch's add rounds it
+      for_chunks(dim, [&](int64_t i, int64_t m) {
+        store_n(load_n(xr + i, m) + load_n(add + r * dim + i, m), xr + i, m);
+      });
     f32x16 acc = {};
     for_chunks(dim, [&](int64_t i, int64_t m) {
       const f32x16 v = load_n(xr + i, m);
@@ -96,15 +100,18 @@ void rope_store(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t head
 
 }  // namespace
 
-// x, out: [rows, dim]; w: [dim]. out = w * dtype(x * rsqrt(mean(x^2) + eps)).
-extern "C" void pdserve_rms_norm(int bf16, const void* x, const void* w, void* out,
+// x, out: [rows, dim]; w: [dim]. out = w * dtype(x * rsqrt(mean(x^2) + eps)). With `add`
+// ([rows, dim], else null), x += add first, in place: the residual sum and the next norm in
+// one call.
+extern "C" void pdserve_rms_norm(int bf16, void* x, const void* add, const void* w, void* out,
                                  int64_t rows, int64_t dim, float eps, int threads) {
   if (bf16)
-    rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
-             static_cast<uint16_t*>(out), rows, dim, eps, threads);
+    rms_norm(static_cast<uint16_t*>(x), static_cast<const uint16_t*>(add),
+             static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), rows, dim, eps,
+             threads);
   else
-    rms_norm(static_cast<const float*>(x), static_cast<const float*>(w),
-             static_cast<float*>(out), rows, dim, eps, threads);
+    rms_norm(static_cast<float*>(x), static_cast<const float*>(add),
+             static_cast<const float*>(w), static_cast<float*>(out), rows, dim, eps, threads);
 }
 
 // gate_up: [rows, 2 * dim] (gate, then up); out: [rows, dim] = dtype(silu(gate)) * up.

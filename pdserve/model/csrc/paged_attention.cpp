@@ -59,6 +59,11 @@ struct Attn {  // how scores are made: scaled, soft-capped (cap > 0), over a win
   int64_t window;
 };
 
+struct DecodeRows {  // where decode i's query and output lie: row index[i] of q and of out
+  const int64_t* index;
+  int64_t q, out;  // the rows' strides, in elements
+};
+
 struct Layout {  // element strides of the cache, already offset to one layer's K
   int64_t block, kv, token, head, dim;
   int block_size;
@@ -272,9 +277,9 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
 #endif
 
 template <typename T, int C, int G>
-void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
-            int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, const Layout& s,
-            const Attn& a, int threads) {
+void attend(const T* q, T* out, const DecodeRows& r, const T* k0, const int64_t* tables,
+            const int64_t* lens, int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads,
+            const Layout& s, const Attn& a, int threads) {
   const int group = int(heads / kv_heads);
   const int64_t dim = C * kLanes;
   // A sequence's KV heads on one thread, one after the other, where there are sequences
@@ -287,44 +292,46 @@ void attend(const T* q, T* out, const T* k0, const int64_t* tables, const int64_
       const int64_t n = lens[i] - begin;
       thread_local std::vector<float> score;
       score.resize(size_t(group) * n);
-      const int64_t at = (i * heads + h * group) * dim;
+      const T* qi = q + r.index[i] * r.q + h * group * dim;
+      T* oi = out + r.index[i] * r.out + h * group * dim;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
         thread_local std::vector<uint16_t> weights;
         weights.resize(size_t(group) * (n + 1) + kLanes);
-        attend_head_bf16<C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, begin, n,
+        attend_head_bf16<C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n,
                                group, s, a.scale, a.cap, score.data(), weights.data());
         continue;
       }
 #endif
-      attend_head<T, C, G>(q + at, out + at, k0 + h * s.head, tables + i * width, begin, n,
+      attend_head<T, C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n,
                            group, s, a.scale, a.cap, score.data());
     }
 }
 
 // The group sizes of common models get their own instantiation; others the generic one.
 template <typename T, int C>
-void attend_group(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
-                  int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads,
-                  const Layout& s, const Attn& a, int threads) {
+void attend_group(const T* q, T* out, const DecodeRows& r, const T* k0,
+                  const int64_t* tables, const int64_t* lens, int64_t seqs, int64_t width,
+                  int64_t heads, int64_t kv_heads, const Layout& s, const Attn& a,
+                  int threads) {
   switch (heads / kv_heads) {
 #define PDSERVE_GROUP(G) \
-    case G: return attend<T, C, G>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
+    case G: return attend<T, C, G>(q, out, r, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
     PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5)
     PDSERVE_GROUP(6) PDSERVE_GROUP(7) PDSERVE_GROUP(8)
 #undef PDSERVE_GROUP
-    default: return attend<T, C, 0>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
+    default: return attend<T, C, 0>(q, out, r, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads);
   }
 }
 
 template <typename T>
-int dispatch(const T* q, T* out, const T* k0, const int64_t* tables, const int64_t* lens,
-             int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
-             const Layout& s, const Attn& a, int threads) {
+int dispatch(const T* q, T* out, const DecodeRows& r, const T* k0, const int64_t* tables,
+             const int64_t* lens, int64_t seqs, int64_t width, int64_t heads,
+             int64_t kv_heads, int64_t dim, const Layout& s, const Attn& a, int threads) {
   if (heads % kv_heads || heads / kv_heads > kMaxGroup) return 1;
   switch (dim) {
-    case 64: attend_group<T, 4>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
-    case 128: attend_group<T, 8>(q, out, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
+    case 64: attend_group<T, 4>(q, out, r, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
+    case 128: attend_group<T, 8>(q, out, r, k0, tables, lens, seqs, width, heads, kv_heads, s, a, threads); return 0;
     default: return 1;
   }
 }
@@ -714,10 +721,13 @@ int dispatch_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, con
 
 }  // namespace
 
-// q, out: [seqs, heads, dim]; k0: the cache at one layer's K of block 0; tables [seqs, width];
-// strides in elements; scores are q.k * scale, capped at `cap` (> 0), over the last `window`
-// tokens (> 0) or all. Returns nonzero for a shape it has no kernel for.
-extern "C" int pdserve_paged_decode(int bf16, const void* q, void* out, const void* k0,
+// Decode i's query is row rows[i] of q (rows q_stride elements apart, each [heads, dim]),
+// its output the same row of out (out_stride apart): a step's decodes are read and written in
+// place among its other tokens. k0: the cache at one layer's K of block 0; tables [seqs,
+// width]; strides in elements; scores are q.k * scale, capped at `cap` (> 0), over the last
+// `window` tokens (> 0) or all. Returns nonzero for a shape it has no kernel for.
+extern "C" int pdserve_paged_decode(int bf16, const void* q, int64_t q_stride, void* out,
+                                    int64_t out_stride, const int64_t* rows, const void* k0,
                                     const int64_t* tables, const int64_t* lens, int64_t seqs,
                                     int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
                                     int64_t block_size, int64_t s_block, int64_t s_kv,
@@ -725,11 +735,12 @@ extern "C" int pdserve_paged_decode(int bf16, const void* q, void* out, const vo
                                     int64_t window, int threads) {
   const Layout s{s_block, s_kv, s_token, s_head, dim, int(block_size)};
   const Attn a{scale, cap, window};
+  const DecodeRows r{rows, q_stride, out_stride};
   if (bf16)
-    return dispatch(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out),
+    return dispatch(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out), r,
                     static_cast<const uint16_t*>(k0), tables, lens, seqs, width, heads, kv_heads,
                     dim, s, a, threads);
-  return dispatch(static_cast<const float*>(q), static_cast<float*>(out),
+  return dispatch(static_cast<const float*>(q), static_cast<float*>(out), r,
                   static_cast<const float*>(k0), tables, lens, seqs, width, heads, kv_heads, dim,
                   s, a, threads);
 }

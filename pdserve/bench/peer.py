@@ -15,9 +15,11 @@ which both P/D protocols share, so that the proxy costs each side the same.
 Work: lone prompts of 1,000-7,900 tokens (max_tokens 1: the prefill's wall time); 64
 sequences at once (64-512 tokens in, 64-512 out, ignore_eos: output throughput); Poisson
 arrivals at 1 and 2 req/s of 512-token prompts with 64 output tokens (median TTFT, median
-TPOT, p99 ITL). Prompts are random token ids, fresh for every request, so no prefix cache
-serves them. vLLM-CPU is never a dependency of pdserve: without its folder (serve.sh, and
-the venv and HF model that folder's README makes) this runs pdserve alone and says so.
+TPOT, p99 ITL); 256-token prompts with 128 output tokens, at most 1, 16 and 64 requests in
+flight (output tok/s and median TPOT: decode as concurrency grows). Prompts are random token
+ids, fresh for every request, so no prefix cache serves them. vLLM-CPU is never a dependency
+of pdserve: without its folder (serve.sh, and the venv and HF model that folder's README
+makes) this runs pdserve alone and says so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from pdserve.bench.launch import free_port, launched, running, up_layout
 
 MAX_MODEL_LEN = 8192  # room for the longest prompt, on both servers
 RATES = (1.0, 2.0)
+CONCURRENCY = (1, 16, 64)
+WORK = ("prefill", "batch", "serve", "concurrency")
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class Results:
     prefill_ms: dict[int, float] = field(default_factory=dict)
     batch_tok_s: float | None = None
     serving: dict[float, dict] = field(default_factory=dict)
+    concurrency: dict[int, dict] = field(default_factory=dict)  # max in flight: result
     peak_rss_mb: float | None = None  # summed over the server's processes, at the end
 
 
@@ -124,6 +129,16 @@ def measure(url: str, model: str, args: argparse.Namespace, tag: str) -> Results
                 print(f"{tag}: {rate:g} req/s median TTFT {r['median_ttft_ms']:.0f} ms, "
                       f"TPOT {r['median_tpot_ms']:.1f} ms, p99 ITL {r['p99_itl_ms']:.0f} ms",
                       flush=True)
+    if "concurrency" in work:
+        for c in CONCURRENCY:
+            r = load(url, model, out / f"{tag}-concurrency{c}.json", 20 + c, "--num-prompts",
+                     str(max(16, 2 * c)), "--random-input-len", "256",
+                     "--random-output-len", "128", "--max-concurrency", str(c),
+                     "--num-warmups", "2")
+            if r:
+                res.concurrency[c] = r
+                print(f"{tag}: at most {c} in flight {r['output_throughput']:.0f} output "
+                      f"tok/s, median TPOT {r['median_tpot_ms']:.1f} ms", flush=True)
     return res
 
 
@@ -193,6 +208,12 @@ def report(ours: Results, peer: Results | None) -> str:
                           ("p99_itl_ms", "p99 ITL")):
             rows.append(f"| {rate:g} req/s, 512 in / 64 out: {name} (ms) | {r[key]:.1f} | "
                         f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
+    for c, r in ours.concurrency.items():
+        v = p.concurrency.get(c, {})
+        for key, name in (("output_throughput", "output tok/s"),
+                          ("median_tpot_ms", "median TPOT (ms)")):
+            rows.append(f"| at most {c} in flight, 256 in / 128 out: {name} | {r[key]:.1f} | "
+                        f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
     if ours.peak_rss_mb:
         rows.append(f"| peak RSS, all processes (MB) | {ours.peak_rss_mb:.0f} | "
                     f"{p.peak_rss_mb or 0:.0f} | {_ratio(ours.peak_rss_mb, p.peak_rss_mb)} |")
@@ -211,8 +232,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layout", choices=("mono", "1p1d"), default="mono",
                    help="mono: pdserve serve against vllm serve; 1p1d: pdserve up against "
                    "vLLM's prefill and decode behind a proxy")
-    p.add_argument("--only", default="prefill,batch,serve",
-                   help="comma-separated: prefill, batch, serve")
+    p.add_argument("--only", default=",".join(WORK),
+                   help=f"comma-separated: {', '.join(WORK)}")
     p.add_argument("--prefill-lens", default="1000,2000,4000,7900",
                    help="prompt lengths of the lone prefills")
     p.add_argument("--runs", type=int, default=3, help="timed runs per prefill length")
@@ -223,7 +244,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
     if not all(0 < n < MAX_MODEL_LEN for n in args.prefill_lens):
         p.error(f"--prefill-lens: each between 1 and {MAX_MODEL_LEN - 1}")
-    if bad := args.only - {"prefill", "batch", "serve"}:
+    if bad := args.only - set(WORK):
         p.error(f"--only: unknown work {', '.join(sorted(bad))}")
     return args
 

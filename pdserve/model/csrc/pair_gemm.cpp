@@ -1,16 +1,19 @@
-// Products of up to a few dozen rows (decode batches) with a bfloat16 weight w [n, k] laid
-// out for AVX512-BF16 dot products: y = x w^T (+ b), float32 sums rounded once to bfloat16.
+// Products of up to ~128 rows (decode batches, short chunks) with a bfloat16 weight w [n, k]
+// laid out for AVX512-BF16 dot products: y = x w^T (+ b), float32 sums rounded once to
+// bfloat16.
 //
 // The layout, "pair-packed": for each block of 16 outputs and each pair of inputs (2p, 2p+1),
 // the 16 outputs' two weights side by side, [ceil(n/16)][k/2][16][2]. One dot-product
 // instruction then multiplies a broadcast pair of x by a 64-byte load of w and adds into the
-// 16 outputs' float32 sums: no horizontal sums, and each weight load serves 6 rows of x.
-// A tile is 6 rows by 4 blocks (24 accumulators in registers); while the first tile of a
-// panel of 4 blocks runs, the next panel is asked for into L2, so the weights stream in
-// while the products run. 121 products of SmolLM2's shapes, 2 Zen 4 cores: 1 row 8.7 ms
-// (oneDNN 13.5), 8 rows 9.2 (14.3), 24 rows 19.8 (23.9), 64 rows 46.2 (48.2); from ~96
-// rows oneDNN is ahead. Each output's sum runs over k in the same order whatever the number
-// of rows, so a row's result does not depend on the batch it came in.
+// 16 outputs' float32 sums: no horizontal sums, and each weight load serves 12 rows of x.
+// A tile is 12 rows by 2 blocks (24 accumulators in registers); while the first tile of a
+// panel of 2 blocks runs, the next panel is asked for into L2, so the weights stream in
+// while the products run, and a panel of 576 inputs (36 KB) stays in L1 for the next tiles.
+// 121 products of SmolLM2's shapes on 2 Zen 5 cores, 8 / 24 / 48 / 64 / 128 rows: 7.7-8.1 /
+// 9.8-10.0 / 16.7 / 22.1 / 41.2 ms against oneDNN's 9.2-9.4 / 13.7-14.0 / 21.4-22.0 /
+// 27.1-27.8 / 45.7 (tiles of 6 x 4: 9.0 / 12.5 / 19.4 / 24.1 at 8-64 rows); even at 256.
+// Each output's sum runs over k in the same order whatever the number of rows or the tile,
+// so a row's result does not depend on the batch it came in.
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -25,7 +28,7 @@ namespace {
 using namespace pdserve;
 
 #if defined(__AVX512BF16__)
-constexpr int kRows = 6, kBlocks = 4;  // a tile: rows of x by blocks of 16 outputs
+constexpr int kRows = 12, kBlocks = 2;  // a tile: rows of x by blocks of 16 outputs
 
 struct Panel {  // kBlocks or fewer blocks of w, and where their outputs go
   const uint16_t* w;  // the first block's pairs
@@ -94,9 +97,9 @@ extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, vo
   const auto* B = static_cast<const uint16_t*>(b);
   auto* Y = static_cast<uint16_t*>(y);
   const int64_t blocks = (n + kLanes - 1) / kLanes, stride = k / 2 * 32;
-  // Each thread takes an equal run of blocks, in panels of kBlocks or fewer. Dealing out
-  // whole panels left one of two threads a panel more for o and down (9 panels each): the
-  // 121 products on 2 Zen 5 cores, 1 row 8.2 -> 7.8 ms, 24 rows 12.7 -> 12.3.
+  // Each thread takes an equal run of blocks, in panels of kBlocks or fewer, whatever n:
+  // with panels of 4 blocks, dealing out whole ones left one of two threads a panel more
+  // for o and down (9 panels each), 5 % of the products' time at 1 row.
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -32,6 +32,22 @@ def test_rms_norm(rows, dim):
                                TORCH.rms_norm(x, w, 1e-5), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ops", ["kernels", "torch"])
+def test_rms_norm_with_the_residual_sum(dtype, ops):
+    """rms_norm(x, w, eps, add): x += add in place, rounded as torch's add rounds, and the
+    norm of that sum: what `x = x + add` and a plain rms_norm give, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x, add = (torch.randn(300, 576, generator=g).to(dtype) * 3 for _ in range(2))
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    norm = _kernels(dtype) if ops == "kernels" else TORCH
+    want_sum = x + add
+    want = norm.rms_norm(want_sum, w, 1e-5)
+    got = norm.rms_norm(x, w, 1e-5, add)
+    assert torch.equal(x, want_sum)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows", [1, 512])
 @pytest.mark.parametrize("dim", [1536, 40])
 def test_silu_mul(rows, dim):

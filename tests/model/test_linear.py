@@ -57,11 +57,18 @@ def test_decode_batches_take_the_pair_packed_weight(n, k):
     too_big = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // RAM_SHARE + 1
     assert not isinstance(Gemm.for_model(torch.bfloat16, "cpu", too_big).weight(w), Weight)
     alone = gemm(x[-2:-1], weight, b)
-    for rows in (*range(1, 14), 24, 47, PAIR_ROWS):
+    for rows in (*range(1, 14), 24, 25, 47, PAIR_ROWS):  # whole 12-row tiles and tails
         y = gemm(x[:rows], weight, b)
         assert ((y.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-4).all()
         assert torch.equal(y[:1], gemm(x[:1], weight, b))
-    assert torch.equal(gemm(x[:PAIR_ROWS], weight, b)[-1:], alone)  # the 64th row alone
+    assert torch.equal(gemm(x[:PAIR_ROWS], weight, b)[-1:], alone)  # the last row alone
+    threads = torch.get_num_threads()
+    try:  # however the output blocks are dealt out to threads
+        torch.set_num_threads(1)
+        one = gemm(x[:PAIR_ROWS], weight, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, gemm(x[:PAIR_ROWS], weight, b))
     assert torch.equal(gemm(x, weight, b), F.linear(x, w, b))
 
 

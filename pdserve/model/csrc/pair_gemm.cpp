@@ -73,15 +73,17 @@ constexpr Tile pick(int rows, std::integer_sequence<int, R...>) {
   return t;
 }
 
-// The tile for rows <= kRows by blocks <= kBlocks.
-Tile tile_for(int rows, int blocks) {
+template <int... B>
+Tile pick_blocks(int rows, int blocks, std::integer_sequence<int, B...>) {
   constexpr auto r = std::make_integer_sequence<int, kRows>{};
-  switch (blocks) {
-    case 1: return pick<1>(rows, r);
-    case 2: return pick<2>(rows, r);
-    case 3: return pick<3>(rows, r);
-    default: return pick<4>(rows, r);
-  }
+  Tile t = nullptr;
+  ((t = blocks == B + 1 ? pick<B + 1>(rows, r) : t), ...);
+  return t;
+}
+
+// The tile for rows <= kRows by blocks <= kBlocks (only those sizes are instantiated).
+Tile tile_for(int rows, int blocks) {
+  return pick_blocks(rows, blocks, std::make_integer_sequence<int, kBlocks>{});
 }
 #endif
 }  // namespace

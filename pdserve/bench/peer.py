@@ -43,6 +43,10 @@ from pdserve.bench.launch import free_port, launched, running, up_layout
 MAX_MODEL_LEN = 8192  # room for the longest prompt, on both servers
 RATES = (1.0, 2.0)
 CONCURRENCY = (1, 16, 64)
+SERVING_METRICS = (("median_ttft_ms", "median TTFT (ms)"), ("median_tpot_ms", "median TPOT (ms)"),
+                   ("p99_itl_ms", "p99 ITL (ms)"))
+CONCURRENCY_METRICS = (("output_throughput", "output tok/s"),
+                       ("median_tpot_ms", "median TPOT (ms)"))
 WORK = ("prefill", "batch", "serve", "concurrency")
 
 
@@ -190,6 +194,13 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}x" if ours and theirs else "-"
 
 
+def _load_rows(work: str, ours: dict, theirs: dict, metrics: tuple[tuple[str, str], ...]
+               ) -> list[str]:
+    """A row per (result key, name) of one `bench serve` run against the peer's."""
+    return [f"| {work}: {name} | {ours[key]:.1f} | {theirs.get(key, 0):.1f} | "
+            f"{_ratio(ours[key], theirs.get(key))} |" for key, name in metrics]
+
+
 def report(ours: Results, peer: Results | None) -> str:
     """A markdown table: pdserve's figure, vLLM's, and pdserve / vLLM (lower is better for
     times, higher for throughput)."""
@@ -203,17 +214,11 @@ def report(ours: Results, peer: Results | None) -> str:
         rows.append(f"| 64 sequences at once (output tok/s) | {ours.batch_tok_s:.0f} | "
                     f"{p.batch_tok_s or 0:.0f} | {_ratio(ours.batch_tok_s, p.batch_tok_s)} |")
     for rate, r in ours.serving.items():
-        v = p.serving.get(rate, {})
-        for key, name in (("median_ttft_ms", "median TTFT"), ("median_tpot_ms", "median TPOT"),
-                          ("p99_itl_ms", "p99 ITL")):
-            rows.append(f"| {rate:g} req/s, 512 in / 64 out: {name} (ms) | {r[key]:.1f} | "
-                        f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
+        rows += _load_rows(f"{rate:g} req/s, 512 in / 64 out", r, p.serving.get(rate, {}),
+                           SERVING_METRICS)
     for c, r in ours.concurrency.items():
-        v = p.concurrency.get(c, {})
-        for key, name in (("output_throughput", "output tok/s"),
-                          ("median_tpot_ms", "median TPOT (ms)")):
-            rows.append(f"| at most {c} in flight, 256 in / 128 out: {name} | {r[key]:.1f} | "
-                        f"{v.get(key, 0):.1f} | {_ratio(r[key], v.get(key))} |")
+        rows += _load_rows(f"at most {c} in flight, 256 in / 128 out", r,
+                           p.concurrency.get(c, {}), CONCURRENCY_METRICS)
     if ours.peak_rss_mb:
         rows.append(f"| peak RSS, all processes (MB) | {ours.peak_rss_mb:.0f} | "
                     f"{p.peak_rss_mb or 0:.0f} | {_ratio(ours.peak_rss_mb, p.peak_rss_mb)} |")

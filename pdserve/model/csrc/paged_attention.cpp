@@ -6,9 +6,12 @@
 // bfloat16 cache on a CPU with bf16 dot products (AVX512-BF16) multiplies in bf16 pairs, its
 // softmax weights rounded to bf16 for the sum over V (as flash attention does), elsewhere
 // float32 multiply-adds throughout.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -69,16 +72,19 @@ struct Layout {  // element strides of the cache, already offset to one layer's 
   int block_size;
 };
 
-// Asks for one block's rows of one head (as `base` points) ahead of their use: blocks lie
-// anywhere in the pool, which defeats the hardware's stream prefetcher at every block edge.
-// Into L2, not L1: prefetches into L1 stall the core once its few miss buffers are taken.
-// 64 decodes of 512 tokens, 30 layers, 2 Zen 4 cores: 65 ms of attention a step into L1,
-// 41 ms into L2.
+// Asks for one token's row of one head ahead of its use. Blocks lie anywhere in the pool,
+// which defeats the hardware's stream prefetcher at every block edge. Into L2, not L1:
+// prefetches into L1 stall the core once its few miss buffers are taken (64 decodes of 512
+// tokens, 30 layers, 2 Zen 4 cores: 65 ms of attention a step into L1, 41 ms into L2).
+template <typename T>
+inline void prefetch_row(const T* row, const Layout& s) {
+  for (int64_t i = 0; i < s.dim * int64_t(sizeof(T)); i += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i, 0, 2);
+}
+
 template <typename T>
 inline void prefetch_block(const T* base, const Layout& s) {
-  for (int o = 0; o < s.block_size; ++o)
-    for (int64_t i = 0; i < s.dim * int64_t(sizeof(T)); i += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(base + o * s.token) + i, 0, 2);
+  for (int o = 0; o < s.block_size; ++o) prefetch_row(base + o * s.token, s);
 }
 
 // out[j] = sum of x[j]'s lanes, for 16 vectors at once: four rounds of pairwise halving
@@ -126,23 +132,95 @@ inline void score_tokens(const f32x16 (&qv)[kMaxGroup][C], int group, const T* c
   }
 }
 
+// The blocks a run of tokens spans: [first, first + count) of its table.
+struct Span {
+  int64_t first, count;
+  Span(int64_t begin, int64_t n, int block_size)
+      : first(begin / block_size), count(n ? (begin + n - 1) / block_size - first + 1 : 0) {}
+};
+
+// How far ahead the K pass asks for its blocks: a DRAM latency is several blocks' arithmetic
+// (64 decodes of 600 tokens, 30 layers, 2 Zen 5 cores: 36.9 ms of attention a step 1 block
+// ahead, in bursts; 32.5 ms 4 blocks ahead, a row with each row; 34 ms 6 ahead).
+constexpr int kAhead = 4;
+
+// Up to this many blocks whose rows a pass asks for in step with its own, one row with each
+// of its rows: requests then go out evenly among the arithmetic, not in bursts that fill the
+// core's miss buffers and stall it.
+constexpr int kAlong = 4;
+template <typename T>
+struct Along {
+  const T* base[kAlong];
+  int count = 0;
+  void add(const T* b) { base[count++] = b; }
+};
+
+// The K rows a thread reads next (the next item's KV head), asked for while the current item
+// sums V. The K pass asks for V's rows as it goes, so the V pass reads from L2 and would
+// leave memory idle: asking for the next K there keeps memory busy through both passes.
+template <typename T>
+struct Ahead {
+  const T* k = nullptr;  // null: nothing known to be next
+  const int64_t* table = nullptr;
+  Span span{0, 0, 1};
+
+  // Block j of `of` in the current pass takes its share of the next item's blocks.
+  void share(int64_t j, int64_t of, const Layout& s, Along<T>& along) const {
+    if (!k) return;
+    const int64_t last = std::min((j + 1) * span.count / of, j * span.count / of + kAlong);
+    for (int64_t b = j * span.count / of; b < last; ++b)
+      along.add(k + table[span.first + b] * s.block);
+  }
+};
+
 // Calls f(i, row) for the n tokens begin + i in order, row pointing at that token's vector
-// in `base`: block by block, so there is no division per token. Each block's rows `also`
-// elements on (V, while K is read) are asked for too, so that a second pass finds them.
-template <typename T, typename F>
+// in `base`: block by block, so there is no division per token. For each block, along(j,
+// row, rows) names blocks (j: the block's ordinal in the run; row: its first row) whose rows
+// are asked for in step with the block's own.
+template <typename T, typename F, typename A>
 inline void for_each_token(const T* base, const int64_t* table, int64_t begin, int64_t n,
-                           const Layout& s, F f, int64_t also = 0) {
+                           const Layout& s, F f, A along) {
   const int64_t stop = begin + n;
+  int64_t j = 0;
   for (int64_t b = begin / s.block_size, start = b * s.block_size; start < stop;
-       start += s.block_size, ++b) {
+       start += s.block_size, ++b, ++j) {
     const T* row = base + table[b] * s.block;
-    if (start + s.block_size < stop) prefetch_block(base + table[b + 1] * s.block, s);
-    if (also) prefetch_block(row + also, s);
+    Along<T> rows;
+    along(j, row, rows);
     const int64_t from = start > begin ? start : begin;
     const int64_t end = start + s.block_size < stop ? start + s.block_size : stop;
     row += (from - start) * s.token;
-    for (int64_t t = from; t < end; ++t, row += s.token) f(t - begin, row);
+    for (int64_t t = from; t < end; ++t, row += s.token) {
+      for (int i = 0; i < rows.count; ++i) prefetch_row(rows.base[i] + (t - start) * s.token, s);
+      f(t - begin, row);
+    }
   }
+}
+
+// The K pass of a head: f(t, row) for each token's K row, the blocks kAhead on and V's rows
+// (for the V pass) asked for meanwhile.
+template <typename T, typename F>
+inline void for_each_key(const T* k0, const int64_t* table, int64_t begin, int64_t n,
+                         const Layout& s, F f) {
+  const int64_t first = begin / s.block_size, stop = begin + n;
+  for (int64_t b = first; b < first + kAhead && b * s.block_size < stop; ++b)
+    prefetch_block(k0 + table[b] * s.block, s);
+  for_each_token(k0, table, begin, n, s, f, [&](int64_t j, const T* row, Along<T>& rows) {
+    if ((first + j + kAhead) * s.block_size < stop)
+      rows.add(k0 + table[first + j + kAhead] * s.block);
+    rows.add(row + s.kv);
+  });
+}
+
+// The V pass of a head: f(t, row) for each token's V row, the next item's K asked for
+// meanwhile.
+template <typename T, typename F>
+inline void for_each_value(const T* k0, const int64_t* table, int64_t begin, int64_t n,
+                           const Layout& s, const Ahead<T>& ahead, F f) {
+  const int64_t blocks = Span(begin, n, s.block_size).count;
+  for_each_token(k0 + s.kv, table, begin, n, s, f, [&](int64_t j, const T*, Along<T>& rows) {
+    ahead.share(j, blocks, s, rows);
+  });
 }
 
 // Gemma 2's attention logit soft-capping, in place (cap 0: none).
@@ -164,10 +242,10 @@ inline void for_16_keys(const T* k0, const int64_t* table, int64_t begin, int64_
     first += m;
     m = 0;
   };
-  for_each_token(k0, table, begin, n, s, [&](int64_t, const T* k) {
+  for_each_key(k0, table, begin, n, s, [&](int64_t, const T* k) {
     rows[m++] = k;
     if (m == kLanes) flush();
-  }, s.kv);
+  });
   if (m) flush();
 }
 
@@ -177,7 +255,7 @@ inline void for_16_keys(const T* k0, const int64_t* table, int64_t begin, int64_
 template <typename T, int C, int G>
 void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t begin,
                  int64_t n, int runtime_group, const Layout& s, float scale, float cap,
-                 float* score) {
+                 float* score, const Ahead<T>& ahead) {
   constexpr int kG = G ? G : kMaxGroup;
   const int group = G ? G : runtime_group;
   f32x16 qv[kMaxGroup][C], acc[kG][C];
@@ -191,7 +269,7 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
     softmax(score + g * n, n);
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
   }
-  for_each_token(k0 + s.kv, table, begin, n, s, [&](int64_t t, const T* v) {
+  for_each_value(k0, table, begin, n, s, ahead, [&](int64_t t, const T* v) {
     f32x16 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load(v + c * kLanes);
     for (int g = 0; g < group; ++g) {
@@ -210,7 +288,7 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
 template <int C, int G>
 void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, const int64_t* table,
                       int64_t begin, int64_t n, int runtime_group, const Layout& s, float scale,
-                      float cap, float* score, uint16_t* weights) {
+                      float cap, float* score, uint16_t* weights, const Ahead<uint16_t>& ahead) {
   constexpr int kG = G ? G : kMaxGroup, H = C / 2;  // a head's vector: H registers of 32
   const int group = G ? G : runtime_group;
   __m512bh qb[kMaxGroup][H];
@@ -258,7 +336,7 @@ void attend_head_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k0, cons
     }
   };
   const uint16_t* held = nullptr;
-  for_each_token(k0 + s.kv, table, begin, n, s, [&](int64_t t, const uint16_t* v) {
+  for_each_value(k0, table, begin, n, s, ahead, [&](int64_t t, const uint16_t* v) {
     if (t % 2 == 0) held = v;
     else fold(held, v, t / 2);
   });
@@ -281,31 +359,49 @@ void attend(const T* q, T* out, const DecodeRows& r, const T* k0, const int64_t*
             const int64_t* lens, int64_t seqs, int64_t width, int64_t heads, int64_t kv_heads,
             const Layout& s, const Attn& a, int threads) {
   const int group = int(heads / kv_heads);
-  const int64_t dim = C * kLanes;
+  const int64_t dim = C * kLanes, items = seqs * kv_heads;  // item i * kv_heads + h
+  auto keys = [&](int64_t item) {  // the item's keys: n from begin (its window's, if any)
+    const int64_t len = lens[item / kv_heads];
+    const int64_t begin = a.window && len > a.window ? len - a.window : 0;
+    return std::pair{begin, len - begin};
+  };
+  auto one = [&](int64_t item, const Ahead<T>& ahead) {
+    thread_local std::vector<float> score;
+    const int64_t i = item / kv_heads, h = item % kv_heads;
+    const auto [begin, n] = keys(item);
+    score.resize(size_t(group) * n);
+    const T* qi = q + r.index[i] * r.q + h * group * dim;
+    T* oi = out + r.index[i] * r.out + h * group * dim;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      thread_local std::vector<uint16_t> weights;
+      weights.resize(size_t(group) * (n + 1) + kLanes);
+      return attend_head_bf16<C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n,
+                                    group, s, a.scale, a.cap, score.data(), weights.data(),
+                                    ahead);
+    }
+#endif
+    attend_head<T, C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n, group, s,
+                         a.scale, a.cap, score.data(), ahead);
+  };
   // A sequence's KV heads on one thread, one after the other, where there are sequences
   // enough to go round: the later heads find the blocks' cache lines the first one fetched.
-  const int chunk = seqs >= 2 * threads ? int(kv_heads) : 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) collapse(2)
-  for (int64_t i = 0; i < seqs; ++i)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t begin = a.window && lens[i] > a.window ? lens[i] - a.window : 0;
-      const int64_t n = lens[i] - begin;
-      thread_local std::vector<float> score;
-      score.resize(size_t(group) * n);
-      const T* qi = q + r.index[i] * r.q + h * group * dim;
-      T* oi = out + r.index[i] * r.out + h * group * dim;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        thread_local std::vector<uint16_t> weights;
-        weights.resize(size_t(group) * (n + 1) + kLanes);
-        attend_head_bf16<C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n,
-                               group, s, a.scale, a.cap, score.data(), weights.data());
-        continue;
-      }
-#endif
-      attend_head<T, C, G>(qi, oi, k0 + h * s.head, tables + i * width, begin, n,
-                           group, s, a.scale, a.cap, score.data());
+  const int64_t chunk = seqs >= 2 * threads ? kv_heads : 1;
+  std::atomic<int64_t> claimed{0};  // items handed out, `chunk` at a time
+#pragma omp parallel num_threads(threads)
+  for (int64_t item = claimed.fetch_add(chunk), end = item + chunk; item < items;) {
+    // The next item is claimed as this one starts, so that its K can be asked for ahead.
+    int64_t next = item + 1;
+    if (next == end) end = (next = claimed.fetch_add(chunk)) + chunk;
+    Ahead<T> ahead;
+    if (next < items) {
+      const auto [begin, n] = keys(next);
+      ahead = {k0 + next % kv_heads * s.head, tables + next / kv_heads * width,
+               Span(begin, n, s.block_size)};
     }
+    one(item, ahead);
+    item = next;
+  }
 }
 
 // The group sizes of common models get their own instantiation; others the generic one.

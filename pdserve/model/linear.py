@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,11 @@ class Weight:
     pair-packed (csrc/pair_gemm.cpp) for batches of up to PAIR_ROWS rows, where our kernel
     streams the weight while it computes: 121 products of SmolLM2's shapes on 2 Zen 5 cores,
     24 / 64 / 128 rows, 9.8 / 22.1 / 41.2 ms against oneDNN's 13.7 / 27.1 / 45.7 (parity at
-    256). The second layout costs the weight's size again."""
+    256). The second layout costs the weight's size again. A `gated` weight is an MLP's gate
+    and up, their pair-packed blocks interleaved (see Gemm.silu_mul)."""
     packed: torch.Tensor
     pairs: torch.Tensor
+    gated: bool = False
 
 
 def pair_packed(w: torch.Tensor) -> torch.Tensor:
@@ -57,31 +60,50 @@ class Gemm:
             "SC_PHYS_PAGES")
         return cls(prepacked, native.library() if prepacked and spare else None)
 
-    def weight(self, w: torch.Tensor) -> Linear:
+    def weight(self, w: torch.Tensor, gated: bool = False) -> Linear:
+        """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul."""
         if not self.prepacked:
             return w
         # The hint (batch 1) picks the decode-friendly blocking; prefills run as fast on it.
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        return Weight(packed, pair_packed(w)) if self.lib and w.shape[1] % 2 == 0 else packed
+        if not self.lib or w.shape[1] % 2:
+            return packed
+        gated = gated and w.shape[0] % 32 == 0  # whole blocks of 16 gate and 16 up outputs
+        if gated:  # gate's blocks and up's alternate
+            w = w.view(2, -1, 16, w.shape[1]).transpose(0, 1).reshape(w.shape)
+        return Weight(packed, pair_packed(w), gated)
 
     def __call__(self, x: torch.Tensor, w: Linear, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
         if isinstance(w, Weight):
-            if x.dim() == 2 and x.shape[0] <= PAIR_ROWS:
-                y = self._pairs(x, w, b)
-                if y is not None:
-                    return y
+            if not w.gated and (y := self._pairs(x, w, b)) is not None:
+                return y
             w = w.packed
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 
-    def _pairs(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None
+    def silu_mul(self, x: torch.Tensor, w: Linear,
+                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(x @ w.T) for an MLP's gate_up weight w and act its SiLU-gated product
+        (Elementwise.silu_mul). A gated Weight's decode batches take both in one kernel
+        call, the activation applied as each tile's sums are stored (the same numbers).
+        SmolLM2's 30 gate_up products and activations on 2 Zen 5 cores, 1 / 24 / 64 rows:
+        2.69 / 3.43 / 8.49 ms against 2.87 / 3.72 / 8.93 in two calls."""
+        if isinstance(w, Weight) and w.gated and (y := self._pairs(x, w)) is not None:
+            return y
+        return act(self(x, w))
+
+    def _pairs(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None
                ) -> torch.Tensor | None:
+        """The pairs kernel's product (its gated one for a gated w), or None where it does
+        not take this x."""
+        if x.dim() != 2 or x.shape[0] > PAIR_ROWS:
+            return None
         x = x.contiguous()
         n = w.packed.shape[0]
-        y = x.new_empty(x.shape[0], n)
+        y = x.new_empty(x.shape[0], n // 2 if w.gated else n)
         rc = self.lib.pdserve_pair_gemm(x.data_ptr(), w.pairs.data_ptr(), None if b is None
                                         else b.data_ptr(), y.data_ptr(), x.shape[0], n,
-                                        x.shape[1], torch.get_num_threads())
+                                        x.shape[1], int(w.gated), torch.get_num_threads())
         return None if rc else y

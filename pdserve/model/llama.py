@@ -257,9 +257,11 @@ class LlamaModel:
                 t = t.narrow(1 if part in ("o", "down") and t.dim() == 2 else 0, tp_rank * n, n)
             return t.to(device=device, dtype=dtype).contiguous()
 
+        silu = config.activation == "silu"
+
         def mlp(prefix: str) -> Linear:  # gate and up, as one GEMM
             return gemm.weight(torch.cat([w(f"{prefix}.gate_proj.weight"),
-                                          w(f"{prefix}.up_proj.weight")]))
+                                          w(f"{prefix}.up_proj.weight")]), gated=silu)
 
         def experts(i: int) -> Experts | None:
             if i not in config.moe_layers:
@@ -303,8 +305,10 @@ class LlamaModel:
                       for i, theta in enumerate([config.rope_theta, config.local_rope_theta])
                       if theta is not None]
         self.embed_scale = gemma.embed_scale(config.hidden_size, dtype) if g else None
-        self.mlp_act = self.ops.gelu_tanh_mul if config.activation == "gelu_tanh" \
-            else self.ops.silu_mul
+        # The MLP's first product and its gate: silu's in one call (Gemm.silu_mul).
+        self.mlp_in: Callable[[torch.Tensor, Linear], torch.Tensor] = (
+            (lambda x, w: gemm.silu_mul(x, w, self.ops.silu_mul)) if silu
+            else lambda x, w: self.ops.gelu_tanh_mul(gemm(x, w)))
         # Called before each layer's attention and each of its MLP's GEMMs, a few ms apart in
         # a prefill: one borrowing idle cores adjusts its threads there (engine/core_loan.py).
         self.checkpoint: Callable[[], None] = lambda: None
@@ -337,7 +341,7 @@ class LlamaModel:
             if layer.experts is not None:
                 delta = self.all_reduce(layer.experts(x, linear, self.ops))
                 continue
-            x = self.mlp_act(linear(x, layer.gate_up))
+            x = self.mlp_in(x, layer.gate_up)
             self.checkpoint()
             delta = self._post_norm(self.all_reduce(linear(x, layer.down)), layer.post_mlp)
         rows = batch.logits_index  # the last sum only where logits are wanted

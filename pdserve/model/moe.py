@@ -37,7 +37,7 @@ class Experts:
         for expert, n in enumerate(counts):
             if n:
                 rows = tokens[start:start + n]
-                y = linear(ops.silu_mul(linear(x[rows], self.gate_up[expert])),
+                y = linear(linear.silu_mul(x[rows], self.gate_up[expert], ops.silu_mul),
                            self.down[expert])
                 out.index_add_(0, rows, y * scale[start:start + n])
                 start += n

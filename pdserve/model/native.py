@@ -30,7 +30,7 @@ SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
                                    _F32, _F32, _I64, _INT]),
     "pdserve_rms_norm": (None, [_INT, *[_PTR] * 4, _I64, _I64, _F32, _INT]),
     "pdserve_silu_mul": (None, [_INT, _PTR, _PTR, _I64, _I64, _INT]),
-    "pdserve_pair_gemm": (_INT, [*[_PTR] * 4, *[_I64] * 3, _INT]),
+    "pdserve_pair_gemm": (_INT, [*[_PTR] * 4, *[_I64] * 3, _INT, _INT]),
     "pdserve_greedy": (None, [_PTR, _I64, _I64, _PTR, _PTR, _INT]),
     "pdserve_rope_store": (None, [_INT, *[_PTR] * 3, *[_I64] * 5, *[_PTR] * 3, *[_I64] * 4,
                                   _INT]),

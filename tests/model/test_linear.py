@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.elementwise import Elementwise
 from pdserve.model.linear import PAIR_ROWS, RAM_SHARE, Gemm, Weight, pair_packed
 from pdserve.platforms.cpu import has_native_bf16
 
@@ -78,3 +79,33 @@ def test_pair_packing_needs_an_even_width():
         pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
     assert not isinstance(gemm.weight(torch.randn(32, 7).bfloat16()), Weight)
     assert pair_packed(torch.arange(64.).view(2, 32)).shape == (1, 16, 16, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 13, 64, PAIR_ROWS, PAIR_ROWS + 1])
+def test_gated_product_equals_product_then_silu_mul(rows):
+    """An MLP's gate_up packed `gated` (gate's and up's blocks interleaved) gives the very
+    numbers of the plain weight's product then silu_mul: in the pairs kernel's epilogue for
+    decode batches, as product then activation for more rows. The gated weight's plain
+    product is oneDNN's (F.linear's numbers) whatever the rows."""
+    gemm = Gemm.for_model(torch.bfloat16, "cpu")
+    if gemm.lib is None:
+        pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
+    ops = Elementwise.for_model(torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(2 * 96, 100, generator=g) * 0.3).bfloat16()  # 6 blocks each of gate, up
+    x = torch.randn(rows, 100, generator=g).bfloat16()
+    gated = gemm.weight(w, gated=True)
+    assert gated.gated
+    assert torch.equal(gated.pairs[1, 3, 5], w[96 + 5, 6:8])  # block 1: up's first block
+    plain = gemm.weight(w)
+    expected = ops.silu_mul(gemm(x, plain))
+    assert torch.equal(gemm.silu_mul(x, gated, ops.silu_mul), expected)
+    assert torch.equal(gemm.silu_mul(x, plain, ops.silu_mul), expected)
+    assert torch.equal(gemm(x, gated), F.linear(x, w))
+
+
+def test_gated_packing_needs_whole_blocks_of_gate_and_up():
+    gemm = Gemm.for_model(torch.bfloat16, "cpu")
+    if gemm.lib is None:
+        pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
+    assert not gemm.weight(torch.randn(2 * 40, 64).bfloat16(), gated=True).gated

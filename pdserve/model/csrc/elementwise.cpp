@@ -53,8 +53,7 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads) 
     const T* u = g + dim;
     T* o = out + r * dim;
     for_chunks(dim, [&](int64_t i, int64_t m) {
-      const f32x16 x = load_n(g + i, m);
-      store_n(round_to<T>(x / (1.f + exp_approx(f32x16{} - x))) * load_n(u + i, m), o + i, m);
+      store_n(silu_times<T>(load_n(g + i, m), load_n(u + i, m)), o + i, m);
     });
   }
 }

@@ -14,6 +14,11 @@
 // 27.1-27.8 / 45.7 (tiles of 6 x 4: 9.0 / 12.5 / 19.4 / 24.1 at 8-64 rows); even at 256.
 // Each output's sum runs over k in the same order whatever the number of rows or the tile,
 // so a row's result does not depend on the batch it came in.
+//
+// Gated: w is an MLP's gate and up with their blocks interleaved (gate's block j, then up's),
+// and a tile's epilogue writes silu(gate) * up, each rounded where pdserve_silu_mul rounds
+// it: the product and the activation in one pass, with no [m, 2 * I] result to write and
+// read again.
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -36,7 +41,7 @@ struct Panel {  // kBlocks or fewer blocks of w, and where their outputs go
   int64_t next_blocks, col;  // blocks in the next panel; this panel's first output
 };
 
-template <int R, int B>
+template <int R, int B, bool Gated>
 void tile(const uint16_t* x, const Panel& pn, const uint16_t* bias, uint16_t* y, int64_t n,
           int64_t k) {
   const int64_t pairs = k / 2, stride = pairs * 32;  // one block's pairs
@@ -56,6 +61,14 @@ void tile(const uint16_t* x, const Panel& pn, const uint16_t* bias, uint16_t* y,
       for (int j = 0; j < B; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, w[j]);
     }
   }
+  if constexpr (Gated) {  // y [R, n / 2]; n a whole number of block pairs
+    static_assert(B == 2, "a gated tile is one gate block and its up block");
+    for (int i = 0; i < R; ++i)  // rounded as the plain epilogue stores them (+ 0: no bias)
+      store(silu_times<uint16_t>(round_to<uint16_t>(f32x16(acc[i][0]) + f32x16{}),
+                                 round_to<uint16_t>(f32x16(acc[i][1]) + f32x16{})),
+            y + i * (n / 2) + pn.col / 2);
+    return;
+  }
   for (int j = 0; j < B; ++j) {
     const int64_t col = pn.col + j * kLanes, left = n - col;
     const f32x16 b = bias ? load_n(bias + col, left) : f32x16{};
@@ -66,10 +79,10 @@ void tile(const uint16_t* x, const Panel& pn, const uint16_t* bias, uint16_t* y,
 using Tile = void (*)(const uint16_t*, const Panel&, const uint16_t*, uint16_t*, int64_t,
                       int64_t);
 
-template <int B, int... R>
+template <int B, bool Gated, int... R>
 constexpr Tile pick(int rows, std::integer_sequence<int, R...>) {
   Tile t = nullptr;
-  ((t = rows == R + 1 ? tile<R + 1, B> : t), ...);
+  ((t = rows == R + 1 ? tile<R + 1, B, Gated> : t), ...);
   return t;
 }
 
@@ -77,50 +90,55 @@ template <int... B>
 Tile pick_blocks(int rows, int blocks, std::integer_sequence<int, B...>) {
   constexpr auto r = std::make_integer_sequence<int, kRows>{};
   Tile t = nullptr;
-  ((t = blocks == B + 1 ? pick<B + 1>(rows, r) : t), ...);
+  ((t = blocks == B + 1 ? pick<B + 1, false>(rows, r) : t), ...);
   return t;
 }
 
-// The tile for rows <= kRows by blocks <= kBlocks (only those sizes are instantiated).
-Tile tile_for(int rows, int blocks) {
+// The tile for rows <= kRows by blocks <= kBlocks (only those sizes are instantiated), or
+// gated, by a gate block and its up block.
+Tile tile_for(int rows, int blocks, bool gated) {
+  if (gated) return pick<2, true>(rows, std::make_integer_sequence<int, kRows>{});
   return pick_blocks(rows, blocks, std::make_integer_sequence<int, kBlocks>{});
 }
 #endif
 }  // namespace
 
 // x [m, k], w pair-packed from [n, k] (k even), b [n] or null, y [m, n]; bfloat16, rows
-// contiguous. Returns nonzero where it has no kernel (no AVX512-BF16, or k odd).
+// contiguous. Gated (see above; n a multiple of 32, no b): y [m, n / 2]. Returns nonzero
+// where it has no kernel (no AVX512-BF16, k odd, a gated n or b it cannot take).
 extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, void* y,
-                                 int64_t m, int64_t n, int64_t k, int threads) {
+                                 int64_t m, int64_t n, int64_t k, int gated, int threads) {
 #if defined(__AVX512BF16__)
-  if (k % 2) return 1;
+  if (k % 2 || (gated && (n % (2 * kLanes) || b))) return 1;
   const auto* X = static_cast<const uint16_t*>(x);
   const auto* W = static_cast<const uint16_t*>(w);
   const auto* B = static_cast<const uint16_t*>(b);
   auto* Y = static_cast<uint16_t*>(y);
   const int64_t blocks = (n + kLanes - 1) / kLanes, stride = k / 2 * 32;
-  // Each thread takes an equal run of blocks, in panels of kBlocks or fewer, whatever n:
-  // with panels of 4 blocks, dealing out whole ones left one of two threads a panel more
-  // for o and down (9 panels each), 5 % of the products' time at 1 row.
+  // Each thread takes an equal run of blocks (of block pairs, gated), in panels of kBlocks
+  // or fewer, whatever n: with panels of 4 blocks, dealing out whole ones left one of two
+  // threads a panel more for o and down (9 panels each), 5 % of the products' time at 1 row.
+  static_assert(kBlocks == 2, "a gated panel is one gate block and its up block");
+  const int64_t unit = gated ? 2 : 1, units = blocks / unit;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t end = blocks * (t + 1) / nt;
-    for (int64_t first = blocks * t / nt; first < end; first += kBlocks) {
+    const int64_t end = units * (t + 1) / nt * unit;
+    for (int64_t first = units * t / nt * unit; first < end; first += kBlocks) {
       const int64_t count = std::min<int64_t>(end - first, kBlocks);
       const int64_t after = std::min<int64_t>(end - first - count, kBlocks);
       Panel pn{W + first * stride, after > 0 ? W + (first + count) * stride : nullptr, after,
                first * kLanes};
       for (int64_t i0 = 0; i0 < m; i0 += kRows) {
         const int rows = int(std::min<int64_t>(m - i0, kRows));
-        tile_for(rows, int(count))(X + i0 * k, pn, B, Y + i0 * n, n, k);
+        tile_for(rows, int(count), gated)(X + i0 * k, pn, B, Y + i0 * (n / unit), n, k);
         pn.next = nullptr;  // asked for once, by the first tile
       }
     }
   }
   return 0;
 #else
-  (void)x, (void)w, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+  (void)x, (void)w, (void)b, (void)y, (void)m, (void)n, (void)k, (void)gated, (void)threads;
   return 1;
 #endif
 }

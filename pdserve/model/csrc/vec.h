@@ -102,6 +102,13 @@ inline f32x16 exp_approx(f32x16 x) {
   return overflow ? f32x16{} + INFINITY : exp_no_overflow(overflow ? f32x16{} : x);
 }
 
+// The MLP's SiLU-gated product, silu(gate) rounded to T (as HF's act_fn output is) times up,
+// before its store rounds it: pdserve_silu_mul's and the fused product's epilogue alike.
+template <typename T>
+inline f32x16 silu_times(f32x16 gate, f32x16 up) {
+  return round_to<T>(gate / (1.f + exp_approx(f32x16{} - gate))) * up;
+}
+
 inline float sum(f32x16 x) {  // a fixed tree, so every run adds in the same order
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));

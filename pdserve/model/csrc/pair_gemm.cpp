@@ -6,12 +6,14 @@
 // the 16 outputs' two weights side by side, [ceil(n/16)][k/2][16][2]. One dot-product
 // instruction then multiplies a broadcast pair of x by a 64-byte load of w and adds into the
 // 16 outputs' float32 sums: no horizontal sums, and each weight load serves 12 rows of x.
-// A tile is 12 rows by 2 blocks (24 accumulators in registers); while the first tile of a
-// panel of 2 blocks runs, the next panel is asked for into L2, so the weights stream in
-// while the products run, and a panel of 576 inputs (36 KB) stays in L1 for the next tiles.
-// 121 products of SmolLM2's shapes on 2 Zen 5 cores, 8 / 24 / 48 / 64 / 128 rows: 7.7-8.1 /
-// 9.8-10.0 / 16.7 / 22.1 / 41.2 ms against oneDNN's 9.2-9.4 / 13.7-14.0 / 21.4-22.0 /
-// 27.1-27.8 / 45.7 (tiles of 6 x 4: 9.0 / 12.5 / 19.4 / 24.1 at 8-64 rows); even at 256.
+// A tile is 12 rows by 2 blocks (24 accumulators in registers); while the tiles of a panel of
+// 2 blocks run, the next panel is asked for into L2, so the weights stream in while the
+// products run, and a panel of 576 inputs (36 KB) stays in L1 for the next tiles. 121
+// products of SmolLM2's shapes on 2 Zen 5 cores, 8 / 24 / 64 / 128 rows: 7.2-7.5 / 8.4-9.0 /
+// 20.5-21.4 / 38.1-38.3 ms against oneDNN's 8.8-9.4 / 12.8-13.3 / 25.4-26.0 / 41.9-42.3
+// (the next panel asked for by the first tile alone: 7.4-7.9 / 9.3-10.1 / 21.0-22.0 /
+// 39.5-40.5; tiles of 6 x 4: 9.0 / 12.5 / 19.4 / 24.1 at 8-64 rows, on another day's
+// oneDNN 9.2 / 13.7 / 21.4 / 27.1); even at 256.
 // Each output's sum runs over k in the same order whatever the number of rows or the tile,
 // so a row's result does not depend on the batch it came in.
 //
@@ -39,6 +41,10 @@ struct Panel {  // kBlocks or fewer blocks of w, and where their outputs go
   const uint16_t* w;  // the first block's pairs
   const uint16_t* next;  // the next panel's, to ask for ahead (null: none)
   int64_t next_blocks, col;  // blocks in the next panel; this panel's first output
+  // The panel's tiles share asking for the next one: tile `phase` of `every` asks for pairs
+  // phase, phase + every, ..., one k step in `every`, so that the weights stream in evenly
+  // through the panel's tiles, not in a burst during its first.
+  int64_t every, phase;
 };
 
 template <int R, int B, bool Gated>
@@ -48,10 +54,13 @@ void tile(const uint16_t* x, const Panel& pn, const uint16_t* bias, uint16_t* y,
   __m512 acc[R][B];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t due = pn.next ? pn.phase : pairs;  // the next pair to ask for
   for (int64_t p = 0; p < pairs; ++p) {
-    if (pn.next)
+    if (p == due) {
       for (int64_t j = 0; j < pn.next_blocks; ++j)
         __builtin_prefetch(pn.next + j * stride + p * 32, 0, 2);
+      due += pn.every;
+    }
     __m512bh w[B];
     for (int j = 0; j < B; ++j) w[j] = (__m512bh)_mm512_loadu_si512(pn.w + j * stride + p * 32);
     for (int i = 0; i < R; ++i) {
@@ -127,12 +136,12 @@ extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, vo
     for (int64_t first = units * t / nt * unit; first < end; first += kBlocks) {
       const int64_t count = std::min<int64_t>(end - first, kBlocks);
       const int64_t after = std::min<int64_t>(end - first - count, kBlocks);
+      const int64_t tiles = (m + kRows - 1) / kRows;
       Panel pn{W + first * stride, after > 0 ? W + (first + count) * stride : nullptr, after,
-               first * kLanes};
-      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+               first * kLanes, tiles, 0};
+      for (int64_t i0 = 0; i0 < m; i0 += kRows, ++pn.phase) {
         const int rows = int(std::min<int64_t>(m - i0, kRows));
         tile_for(rows, int(count), gated)(X + i0 * k, pn, B, Y + i0 * (n / unit), n, k);
-        pn.next = nullptr;  // asked for once, by the first tile
       }
     }
   }

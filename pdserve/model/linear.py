@@ -11,9 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import native
-from pdserve.platforms.cpu import has_native_bf16
+from pdserve.platforms.cpu import has_amx, has_native_bf16
 
 PAIR_ROWS = 128  # up to this many rows, products take the pair-packed weight (pdserve_pair_gemm)
+# Gated products (Gemm.silu_mul) up to this many rows, on CPUs without AMX: there the kernel
+# keeps up with oneDNN to 512 rows and saves the activation's pass (30 gate_up products and
+# activations at 256 / 512 rows, Zen 5: 31.6 / 62.6 ms against oneDNN then silu_mul's 33.2 /
+# 66.0). Where AMX multiplies oneDNN's large products, they stay its.
+GATED_ROWS = 512
 RAM_SHARE = 8  # pair-packed copies are kept where the weights take at most 1/8 of the RAM
 
 
@@ -49,6 +54,7 @@ class Gemm:
     the same kernels run on the same layout. A tied lm_head is packed as its own copy."""
     prepacked: bool
     lib: ctypes.CDLL | None = None  # pdserve_pair_gemm, for the decode batches of a Weight
+    gated_rows: int = PAIR_ROWS  # the most rows a gated product takes the pairs kernel for
 
     @classmethod
     def for_model(cls, dtype: torch.dtype, device: torch.device | str,
@@ -58,7 +64,8 @@ class Gemm:
                      and has_native_bf16() and torch.backends.mkldnn.is_available())
         spare = weight_bytes * RAM_SHARE <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
             "SC_PHYS_PAGES")
-        return cls(prepacked, native.library() if prepacked and spare else None)
+        return cls(prepacked, native.library() if prepacked and spare else None,
+                   PAIR_ROWS if has_amx() else GATED_ROWS)
 
     def weight(self, w: torch.Tensor, gated: bool = False) -> Linear:
         """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul."""
@@ -86,8 +93,9 @@ class Gemm:
     def silu_mul(self, x: torch.Tensor, w: Linear,
                  act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """act(x @ w.T) for an MLP's gate_up weight w and act its SiLU-gated product
-        (Elementwise.silu_mul). A gated Weight's decode batches take both in one kernel
-        call, the activation applied as each tile's sums are stored (the same numbers).
+        (Elementwise.silu_mul). A gated Weight's batches of up to `gated_rows` take both in
+        one kernel call, the activation applied as each tile's sums are stored (the same
+        numbers as the pairs kernel's product then silu_mul).
         SmolLM2's 30 gate_up products and activations on 2 Zen 5 cores, 1 / 24 / 64 rows:
         2.69 / 3.43 / 8.49 ms against 2.87 / 3.72 / 8.93 in two calls."""
         if isinstance(w, Weight) and w.gated and (y := self._pairs(x, w)) is not None:
@@ -98,7 +106,7 @@ class Gemm:
                ) -> torch.Tensor | None:
         """The pairs kernel's product (its gated one for a gated w), or None where it does
         not take this x."""
-        if x.dim() != 2 or x.shape[0] > PAIR_ROWS:
+        if x.dim() != 2 or x.shape[0] > (self.gated_rows if w.gated else PAIR_ROWS):
             return None
         x = x.contiguous()
         n = w.packed.shape[0]

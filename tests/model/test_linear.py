@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.elementwise import Elementwise
-from pdserve.model.linear import PAIR_ROWS, RAM_SHARE, Gemm, Weight, pair_packed
-from pdserve.platforms.cpu import has_native_bf16
+from pdserve.model.linear import GATED_ROWS, PAIR_ROWS, RAM_SHARE, Gemm, Weight, pair_packed
+from pdserve.platforms.cpu import has_amx, has_native_bf16
 
 
 def test_prepacks_only_bf16_on_cpus_with_bf16_hardware():
@@ -81,12 +81,12 @@ def test_pair_packing_needs_an_even_width():
     assert pair_packed(torch.arange(64.).view(2, 32)).shape == (1, 16, 16, 2)
 
 
-@pytest.mark.parametrize("rows", [1, 13, 64, PAIR_ROWS, PAIR_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 13, 64, PAIR_ROWS, PAIR_ROWS + 1, GATED_ROWS + 1])
 def test_gated_product_equals_product_then_silu_mul(rows):
     """An MLP's gate_up packed `gated` (gate's and up's blocks interleaved) gives the very
-    numbers of the plain weight's product then silu_mul: in the pairs kernel's epilogue for
-    decode batches, as product then activation for more rows. The gated weight's plain
-    product is oneDNN's (F.linear's numbers) whatever the rows."""
+    numbers of the pairs kernel's product then silu_mul, in its epilogue, up to gated_rows
+    (PAIR_ROWS on AMX hosts), each row's whatever the batch; past that, oneDNN's product
+    then silu_mul. The gated weight's plain product is oneDNN's (F.linear's numbers)."""
     gemm = Gemm.for_model(torch.bfloat16, "cpu")
     if gemm.lib is None:
         pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
@@ -98,9 +98,13 @@ def test_gated_product_equals_product_then_silu_mul(rows):
     assert gated.gated
     assert torch.equal(gated.pairs[1, 3, 5], w[96 + 5, 6:8])  # block 1: up's first block
     plain = gemm.weight(w)
-    expected = ops.silu_mul(gemm(x, plain))
+    if rows <= gemm.gated_rows:  # the pairs kernel's, PAIR_ROWS rows at a time
+        expected = torch.cat([ops.silu_mul(gemm(x[i:i + PAIR_ROWS], plain))
+                              for i in range(0, rows, PAIR_ROWS)])
+    else:
+        expected = ops.silu_mul(gemm(x, plain))
     assert torch.equal(gemm.silu_mul(x, gated, ops.silu_mul), expected)
-    assert torch.equal(gemm.silu_mul(x, plain, ops.silu_mul), expected)
+    assert torch.equal(gemm.silu_mul(x, plain, ops.silu_mul), ops.silu_mul(gemm(x, plain)))
     assert torch.equal(gemm(x, gated), F.linear(x, w))
 
 
@@ -109,3 +113,8 @@ def test_gated_packing_needs_whole_blocks_of_gate_and_up():
     if gemm.lib is None:
         pytest.skip("no pair-packed kernel here (needs AVX512-BF16)")
     assert not gemm.weight(torch.randn(2 * 40, 64).bfloat16(), gated=True).gated
+
+
+def test_gated_products_take_the_pairs_kernel_to_gated_rows_without_amx():
+    gemm = Gemm.for_model(torch.bfloat16, "cpu")
+    assert gemm.gated_rows == (PAIR_ROWS if has_amx() else GATED_ROWS)

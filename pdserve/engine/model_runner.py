@@ -122,9 +122,9 @@ class ModelRunner:
         bs = self.block_size
         # Needed blocks only: a request may hold more than its context covers.
         lens = [r.num_computed_tokens + 1 for _, r in decodes]
-        width = max(-(-n // bs) for n in lens)
-        tables = torch.zeros(len(decodes), width, dtype=torch.long)
-        for row, (_, r) in enumerate(decodes):
-            need = -(-lens[row] // bs)
-            tables[row, :need] = torch.tensor(r.block_ids[:need])
+        need = [-(-n // bs) for n in lens]
+        width = max(need)
+        # One tensor from padded rows: a tensor per row cost ~10 us each (0.8 ms at 64).
+        tables = torch.tensor([r.block_ids[:k] + [0] * (width - k)
+                               for (_, r), k in zip(decodes, need, strict=True)])
         return DecodeGroup.build([i for i, _ in decodes], tables, lens, bs)

@@ -129,6 +129,7 @@ extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, vo
   // threads a panel more for o and down (9 panels each), 5 % of the products' time at 1 row.
   static_assert(kBlocks == 2, "a gated panel is one gate block and its up block");
   const int64_t unit = gated ? 2 : 1, units = blocks / unit;
+  const int64_t tiles = (m + kRows - 1) / kRows;  // of rows, in each panel
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -136,7 +137,6 @@ extern "C" int pdserve_pair_gemm(const void* x, const void* w, const void* b, vo
     for (int64_t first = units * t / nt * unit; first < end; first += kBlocks) {
       const int64_t count = std::min<int64_t>(end - first, kBlocks);
       const int64_t after = std::min<int64_t>(end - first - count, kBlocks);
-      const int64_t tiles = (m + kRows - 1) / kRows;
       Panel pn{W + first * stride, after > 0 ? W + (first + count) * stride : nullptr, after,
                first * kLanes, tiles, 0};
       for (int64_t i0 = 0; i0 < m; i0 += kRows, ++pn.phase) {

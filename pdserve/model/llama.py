@@ -18,9 +18,10 @@ import torch
 
 from pdserve.model import attention, gemma, loader
 from pdserve.model.attention import Scores
+from pdserve.model.decode_layers import LayerWeights, NativeLayers, Shape
 from pdserve.model.elementwise import Elementwise
 from pdserve.model.kv_cache import KVCache, KVShape
-from pdserve.model.linear import Gemm, Linear
+from pdserve.model.linear import PAIR_ROWS, Gemm, Linear, Weight
 from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
 
@@ -311,7 +312,26 @@ class LlamaModel:
             else lambda x, w: self.ops.gelu_tanh_mul(gemm(x, w)))
         # Called before each layer's attention and each of its MLP's GEMMs, a few ms apart in
         # a prefill: one borrowing idle cores adjusts its threads there (engine/core_loan.py).
-        self.checkpoint: Callable[[], None] = lambda: None
+        self.checkpoint: Callable[[], None] = _no_checkpoint
+        self.native = self._native_layers(all_reduce is None)
+
+    def _native_layers(self, one_rank: bool) -> NativeLayers | None:
+        """Decode steps' layers in one native call, where every layer is a plain Llama one
+        with its products pair-packed (no biases, q/k norms, post-norms, experts or second
+        RoPE table; SiLU; one rank)."""
+        c, lib = self.config, self.gemm.lib
+        plain = one_rank and lib is not None and self.paged is not None and all(
+            all(isinstance(w, Weight) for w in (x.qkv, x.o, x.gate_up, x.down))
+            and x.gate_up.gated and x.qkv_bias is None and x.q_norm is None and
+            x.post_attn is None and x.post_mlp is None and x.experts is None and x.rope == 0
+            for x in self.layers)
+        if not plain:
+            return None
+        return NativeLayers(lib, [LayerWeights(x.ln1, x.qkv.pairs, x.o.pairs, x.ln2,
+                                               x.gate_up.pairs, x.down.pairs, x.scores)
+                                  for x in self.layers],
+                            Shape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                  c.intermediate_size, c.rms_norm_eps), PAIR_ROWS)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -322,7 +342,27 @@ class LlamaModel:
             h = h * self.embed_scale
         ropes = [(cos[batch.positions].to(self.dtype), sin[batch.positions].to(self.dtype))
                  for cos, sin in self.ropes]
-        linear = self.gemm
+        delta = None
+        if self.native is not None and not batch.chunks and len(batch.decodes) == 1 and \
+                h.shape[0] <= self.native.max_rows:
+            d = batch.decodes[0]
+            delta = self.native.run(h, ropes[0], (batch.slot_blocks, batch.slot_offsets),
+                                    (d.index, d.tables, d.lens), cache,
+                                    None if self.checkpoint is _no_checkpoint else self.checkpoint)
+            if delta is None:  # this CPU's build cannot: the Python loop from now on
+                self.native = None
+        if delta is None:
+            delta = self._layers(h, batch, cache, ropes)
+        rows = batch.logits_index  # the last sum only where logits are wanted
+        h = self.ops.rms_norm(h[rows], self.norm, c.rms_norm_eps, delta[rows])
+        # The sampler and logprobs see the capped logits, as HF's generate does.
+        return gemma.softcap(self.gemm(h, self.lm_head).float(),
+                             c.gemma.final_softcap if c.gemma else None)
+
+    def _layers(self, h: torch.Tensor, batch: Batch, cache: KVCache,
+                ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The decoder layers over h (summed in place); returns the last one's output."""
+        c, linear = self.config, self.gemm
         # The residual stream h takes each attention's and MLP's output (`delta`) in the
         # call of the norm after it: the sum and the norm in one pass.
         delta = None
@@ -344,11 +384,7 @@ class LlamaModel:
             x = self.mlp_in(x, layer.gate_up)
             self.checkpoint()
             delta = self._post_norm(self.all_reduce(linear(x, layer.down)), layer.post_mlp)
-        rows = batch.logits_index  # the last sum only where logits are wanted
-        h = self.ops.rms_norm(h[rows], self.norm, c.rms_norm_eps, delta[rows])
-        # The sampler and logprobs see the capped logits, as HF's generate does.
-        return gemma.softcap(linear(h, self.lm_head).float(),
-                             c.gemma.final_softcap if c.gemma else None)
+        return delta
 
     def _post_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else self.ops.rms_norm(x, weight, self.config.rms_norm_eps)
@@ -384,6 +420,10 @@ class LlamaModel:
                 kc, vc = (x[0] for x in cache.gather(layer, ch.table))
             out[ch.start:ch.end] = attention.chunk(q[ch.start:ch.end], kc, vc, ch.pos, scores)
         return out.flatten(1)
+
+
+def _no_checkpoint() -> None:
+    pass
 
 
 def _windows(arch: str, c: dict) -> tuple[int | None, ...]:

@@ -34,6 +34,7 @@ SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
     "pdserve_greedy": (None, [_PTR, _I64, _I64, _PTR, _PTR, _INT]),
     "pdserve_rope_store": (None, [_INT, *[_PTR] * 3, *[_I64] * 5, *[_PTR] * 3, *[_I64] * 4,
                                   _INT]),
+    "pdserve_decode_layers": (_INT, [_PTR, _PTR, _I64, _I64]),
 }
 
 

@@ -89,7 +89,6 @@ class DecodeGraphs:
         self.rows = torch.zeros(5, top, dtype=torch.long, device=device)
         self.tables = torch.zeros(top * wide, dtype=torch.long, device=device)
         self.index = torch.arange(top, device=device)
-        self.keys = torch.arange(wide * cache.shape.block_size, device=device)
         self.capture = capture
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
@@ -129,8 +128,7 @@ class DecodeGraphs:
         code a graph of (b, w) records."""
         ids, positions, blocks, offsets, lens = self.rows[:, :b]
         tables = self.tables[:b * w].view(b, w)
-        mask = self.keys[:w * self.cache.shape.block_size] < lens.unsqueeze(1)
-        group = DecodeGroup(self.index[:b], tables, lens, mask[:, None, None, :])
+        group = DecodeGroup(self.index[:b], tables, lens)
         batch = Batch(ids, positions, blocks, offsets, self.index[:b], decodes=[group])
         return self.model.forward(batch, self.cache)
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.engine.decode_graphs import DecodeGraphs, Decodes
 from pdserve.engine.prompt_logprobs import PromptSpan, score, span
 from pdserve.engine.request import Request, TopLogprobs
 from pdserve.engine.sampler import Sampler
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.llama import Batch, Chunk, DecodeGroup, LlamaModel
+from pdserve.model.llama import Batch, Chunk, DecodeGroup, LlamaModel, longs
 
 # Where decodes gather K/V for torch's attention on CPU (no paged decode kernel), they go in
 # groups of similar context length, each group's copy at most this many (padded) tokens: the
@@ -90,7 +88,7 @@ class ModelRunner:
             if n == 1 and start > 0:
                 decodes.append((flat, req))
             else:
-                table = torch.tensor([req.block_ids[:-(-(start + n) // bs)]])
+                table = longs([req.block_ids[:-(-(start + n) // bs)]])
                 chunks.append(Chunk(flat, flat + n, start, table))
             if start + n == len(req.token_ids):
                 logits_index.append(flat + n - 1)
@@ -100,9 +98,9 @@ class ModelRunner:
         # Only requests asking for prompt logprobs add rows: the others cost nothing more.
         for s in spans:
             logits_index += range(s.first_row, s.first_row + len(s.targets))
-        pos_t = torch.tensor(positions)
-        batch = Batch(torch.tensor(ids), pos_t, torch.tensor(blocks), pos_t % bs,
-                      torch.tensor(logits_index, dtype=torch.long), chunks=chunks)
+        pos_t = longs(positions)
+        batch = Batch(longs(ids), pos_t, longs(blocks), pos_t % bs, longs(logits_index),
+                      chunks=chunks)
         if decodes:
             self._add_decodes(batch, decodes)
         return batch, sampled, spans
@@ -125,6 +123,6 @@ class ModelRunner:
         need = [-(-n // bs) for n in lens]
         width = max(need)
         # One tensor from padded rows: a tensor per row cost ~10 us each (0.8 ms at 64).
-        tables = torch.tensor([r.block_ids[:k] + [0] * (width - k)
-                               for (_, r), k in zip(decodes, need, strict=True)])
-        return DecodeGroup.build([i for i, _ in decodes], tables, lens, bs)
+        tables = longs([r.block_ids[:k] + [0] * (width - k)
+                        for (_, r), k in zip(decodes, need, strict=True)])
+        return DecodeGroup.build([i for i, _ in decodes], tables, lens)

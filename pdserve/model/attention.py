@@ -43,12 +43,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: torch.Tensor,
-           mask: torch.Tensor, s: Scores) -> torch.Tensor:
-    """Single-token queries q [g, heads, dim] over gathered kc, vc [g, kv_heads, m, dim],
-    `mask` [g, 1, 1, m] True on each one's first lens[i] keys; returns [g, heads, dim]."""
+           s: Scores) -> torch.Tensor:
+    """Single-token queries q [g, heads, dim] over gathered kc, vc [g, kv_heads, m, dim], each
+    over its first lens[i] keys; returns [g, heads, dim]."""
+    keys = torch.arange(kc.shape[2], device=q.device)
+    mask = keys < lens.unsqueeze(1)
     if s.window:
-        keys = torch.arange(kc.shape[2], device=q.device)
-        mask = mask & (keys >= (lens - s.window).unsqueeze(1))[:, None, None, :]
+        mask &= keys >= (lens - s.window).unsqueeze(1)
+    mask = mask[:, None, None, :]
     # The query heads sharing a KV head are that head's rows: GQA without expanding K/V.
     qd = q.unflatten(1, (kc.shape[1], -1))  # [g, kv_heads, group, dim]
     return attend(qd, kc, vc, mask, s).flatten(1, 2)

@@ -44,7 +44,7 @@ def _decodes(tokens: list[int], lens: list[int]) -> Batch:
     order = sorted(range(len(lens)), key=lambda i: lens[i])
     return Batch(torch.tensor(tokens), pos, blocks, pos % BS, torch.arange(len(lens)),
                  decodes=[DecodeGroup.build(order, tables[order],
-                                            [lens[i] + 1 for i in order], BS)])
+                                            [lens[i] + 1 for i in order])])
 
 
 def _steps(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: int

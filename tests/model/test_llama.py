@@ -61,7 +61,7 @@ def _forward(model, cache: KVCache, ids: list[int], start: int, table: list[int]
     batch = Batch(torch.tensor(ids), pos, blocks, pos % bs, torch.arange(n))
     if decode:
         assert n == 1
-        batch.decodes = [DecodeGroup.build([0], used, [end], bs)]
+        batch.decodes = [DecodeGroup.build([0], used, [end])]
     else:
         batch.chunks = [Chunk(0, n, start, used)]
     return model.forward(batch, cache)

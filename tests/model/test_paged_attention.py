@@ -32,7 +32,7 @@ def _case(layout: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, 
         need = -(-n // BS)
         tables[row, :need] = perm[used:used + need] if row % 2 else perm[:need]  # some share
         used += need
-    group = DecodeGroup.build(list(range(len(LENS))), tables, LENS, BS)
+    group = DecodeGroup.build(list(range(len(LENS))), tables, LENS)
     q = torch.randn(len(LENS), heads, dim, generator=g).to(dtype)
     return cache, group, q
 
@@ -44,10 +44,16 @@ def _decode(kernel: PagedAttention, q, cache, layer, tables, lens, s) -> torch.T
     return out
 
 
+def _context(group: DecodeGroup, keys: int) -> torch.Tensor:
+    """[seqs, 1, 1, keys]: True on each decode's context."""
+    return (torch.arange(keys) < group.lens.unsqueeze(1))[:, None, None, :]
+
+
 def _reference(q, cache: KVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
     kc, vc = cache.gather(layer, group.tables)
     qd = q.float().unflatten(1, (kc.shape[1], -1))
-    o = F.scaled_dot_product_attention(qd, kc.float(), vc.float(), attn_mask=group.mask)
+    o = F.scaled_dot_product_attention(qd, kc.float(), vc.float(),
+                                       attn_mask=_context(group, kc.shape[2]))
     return o.flatten(1, 2)
 
 
@@ -77,7 +83,8 @@ def test_bfloat16_as_close_as_torchs_bfloat16_attention(layout):
     assert (err <= 0.5 * ulp + 2 ** -9 * cache.tensor.abs().max() + 1e-6).all()
     kc, vc = cache.gather(1, group.tables)
     torch_bf16 = F.scaled_dot_product_attention(q.unflatten(1, (3, -1)), kc, vc,
-                                                attn_mask=group.mask).flatten(1, 2)
+                                                attn_mask=_context(group, kc.shape[2])
+                                                ).flatten(1, 2)
     assert err.mean() <= 1.5 * (torch_bf16.float() - want).abs().mean()
 
 
@@ -248,7 +255,7 @@ def test_windows_and_caps_float32(s):
     cache, group, q = _case("NHD", torch.float32, 9, 3, 64)
     kc, vc = cache.gather(1, group.tables)
     got = _decode(kernel, q, cache, 1, group.tables, group.lens, s)
-    torch_path = attention.decode(q, kc, vc, group.lens, group.mask, s)
+    torch_path = attention.decode(q, kc, vc, group.lens, s)
     for i, n in enumerate(LENS):
         keys = torch.arange(n)
         want = _plain_attention(q[i:i + 1], kc[i, :, :n], vc[i, :, :n],

@@ -31,10 +31,12 @@ def test_without_a_peer_it_runs_pdserve_alone(tmp_path, capsys):
 def test_report_gives_pdserve_over_vllm():
     ours = peer.Results({1000: 500.0}, 400.0, {1.0: {"median_ttft_ms": 90.0,
                                                      "median_tpot_ms": 10.0,
-                                                     "p99_itl_ms": 20.0}})
+                                                     "p99_itl_ms": 20.0,
+                                                     "p100_itl_ms": 30.0}})
     theirs = peer.Results({1000: 1000.0}, 200.0, {1.0: {"median_ttft_ms": 100.0,
                                                         "median_tpot_ms": 20.0,
-                                                        "p99_itl_ms": 10.0}})
+                                                        "p99_itl_ms": 10.0,
+                                                        "p100_itl_ms": 120.0}})
     ours.concurrency[16] = {"output_throughput": 300.0, "median_tpot_ms": 40.0}
     theirs.concurrency[16] = {"output_throughput": 200.0, "median_tpot_ms": 50.0}
     ours.peak_rss_mb, theirs.peak_rss_mb = 900.0, 3000.0
@@ -43,6 +45,7 @@ def test_report_gives_pdserve_over_vllm():
     assert "| 64 sequences at once (output tok/s) | 400 | 200 | 2.00x |" in table
     assert "median TTFT (ms) | 90.0 | 100.0 | 0.90x |" in table
     assert "p99 ITL (ms) | 20.0 | 10.0 | 2.00x |" in table
+    assert "longest ITL (ms) | 30.0 | 120.0 | 0.25x |" in table
     assert "at most 16 in flight, 256 in / 128 out: output tok/s | 300.0 | 200.0 | 1.50x |" \
         in table
     assert "at most 16 in flight, 256 in / 128 out: median TPOT (ms) | 40.0 | 50.0 | 0.80x |" \

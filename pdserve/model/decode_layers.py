@@ -1,12 +1,12 @@
 """A decode step's decoder layers in one native call (csrc/decode_layers.cpp).
 
 A decode step calls eight kernels a layer. Python between those 240 calls took 1.3-2.5 ms of
-a 10-40 ms step (SmolLM2, 2 Zen 5 cores; 9-16 % of it), the other core idle meanwhile and the
+a 10-40 ms step (SmolLM2, 2 Zen 5 cores; 6-14 % of it), the other core idle meanwhile and the
 interpreter slowed by caches the kernels had just filled. The C++ loop calls the same kernels
 with the same arguments, so a step's numbers are the same bits; Python keeps the embedding,
 the final norm, lm_head and sampling.
 
-It takes plain Llama layers (see LlamaModel's `native`) and steps of decodes alone, each
+It takes plain Llama layers (LlamaModel._native_layers says which) and steps of decodes alone, each
 product within the pairs kernel's rows; LlamaModel.forward runs everything else itself."""
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class Shape:
 
 
 class NativeLayers:
+    """A model's layers as the native call's table, and the call over one step."""
+
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[LayerWeights], shape: Shape,
                  max_rows: int) -> None:
         self.lib, self.shape, self.max_rows = lib, shape, max_rows

@@ -69,16 +69,23 @@ def _build() -> Path | None:
     key = hashlib.sha256(b"\0".join([*parts, cxx.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode()])).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"pdserve-kernels-{key}.so"
+    failed = out.with_suffix(".failed")  # a build that failed once fails again: say so
     if out.exists():
         return out
+    if failed.exists():
+        log.warning("pdserve's CPU kernels did not build for this CPU and compiler (%s); "
+                    "torch paths are used instead", failed)
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")  # concurrent starts each build, one wins
     done = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(tmp)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode:
+        errors = "\n".join(ln for ln in done.stderr.splitlines() if "error" in ln)
         log.warning("building pdserve's CPU kernels failed; torch paths are used "
-                    "instead:\n%s", done.stderr[-2000:])
+                    "instead:\n%s", (errors or done.stderr)[-2000:])
         tmp.unlink(missing_ok=True)
+        failed.write_text(done.stderr)
         return None
     os.replace(tmp, out)
     return out

@@ -497,8 +497,13 @@ inline float max_lanes(f32x16 x) {  // a tree, like sum()
 }
 
 // Loaded once for several multiply-adds: left to itself GCC folds the load into each of them,
-// and the loads, not the multiply-adds, then bound the loops.
+// and the loads, not the multiply-adds, then bound the loops. Only AVX-512 holds 16 floats in
+// one register; elsewhere the vector is two or four, and GCC keeps them as it sees fit.
+#if defined(__AVX512F__)
 inline void in_register(f32x16& x) { asm("" : "+v"(x)); }
+#else
+inline void in_register(f32x16&) {}
+#endif
 
 constexpr int kSpan = 4;  // 16-key groups per softmax update: 64 keys share its fixed costs
 

@@ -140,6 +140,9 @@ def test_a_busy_decode_lends_after_each_step_only_while_the_prefill_has_a_backlo
 def test_a_decode_takes_its_core_back_only_once_the_prefills_layer_is_done(tmp_path,
                                                                           monkeypatch):
     lender, borrower = _pair(tmp_path, monkeypatch)
+    # Longer than any scheduling delay of a loaded host: the borrower's thread, 30 ms
+    # asleep, must be what ends the wait, not the give-up timeout.
+    monkeypatch.setattr(core_loan, "RECLAIM_TIMEOUT_S", 10.0)
     lender.before_step(busy=False)
     _in_thread(lambda: borrower.before_step(busy=True, demand=1))
     assert borrower.board[core_loan.BORROWING] == 1  # a layer runs on the decode's core
@@ -154,7 +157,7 @@ def test_a_decode_takes_its_core_back_only_once_the_prefills_layer_is_done(tmp_p
     lender.before_step(busy=True)
     waited = time.monotonic() - start
     t.join()
-    assert 0.02 < waited < core_loan.RECLAIM_TIMEOUT_S
+    assert 0.02 < waited < 5
     assert borrower.board[core_loan.BORROWING] == 0 and borrower.current == borrower.threads
 
 
@@ -163,7 +166,7 @@ def test_a_decode_does_not_wait_for_a_prefill_that_is_gone(tmp_path, monkeypatch
     borrower.board[core_loan.BORROWING] = 1  # set by a prefill that died mid-layer
     start = time.monotonic()
     lender.before_step(busy=True)
-    assert core_loan.RECLAIM_TIMEOUT_S <= time.monotonic() - start < 1
+    assert core_loan.RECLAIM_TIMEOUT_S <= time.monotonic() - start < 5  # gave up, not hung
 
 
 def test_an_idle_prefill_borrows_nothing_and_says_so(tmp_path, monkeypatch):
@@ -188,6 +191,7 @@ def test_the_borrower_leaves_the_lent_cores_between_steps(tmp_path, monkeypatch)
     """A decode that stepped on an idle prefill's core and then waits (idle, or lending its
     own core) must not keep the flag up: the prefill, given a prompt, would wait for it."""
     lender, borrower = _pair(tmp_path, monkeypatch, paced=False)
+    monkeypatch.setattr(core_loan, "RECLAIM_TIMEOUT_S", 10.0)  # a wrong wait is unmistakable
     lender.before_step(busy=False)
 
     def step():
@@ -200,4 +204,4 @@ def test_the_borrower_leaves_the_lent_cores_between_steps(tmp_path, monkeypatch)
     assert _in_thread(step) == ((1, threads + 1), (0, threads))
     start = time.monotonic()
     lender.before_step(busy=True)  # a prompt arrives: nothing to wait for
-    assert time.monotonic() - start < 0.01
+    assert time.monotonic() - start < 5

@@ -13,6 +13,8 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("NixlConnector",)
 KV_LAYOUTS = ("NHD", "HND")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+QUANTIZATIONS = ("int8",)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(ValueError):
@@ -36,6 +38,8 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
+    quantization: str | None = None  # int8: weights quantized at load (model/quant.py)
+    load_format: str = "auto"  # dummy: random weights of the config's shape (benchmarks)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -50,6 +54,17 @@ class EngineConfig:
             raise ConfigError("--num-kv-blocks must be at least 1")
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError("--kv-cache-memory must be positive (GiB)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
+                              f"got {self.load_format!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                                  f"got {self.quantization!r}")
+            if self.device not in ("auto", "cpu") or self.dtype == "float16":
+                raise ConfigError(f"--quantization {self.quantization} runs on CPU with "
+                                  f"--dtype float32 or bfloat16, not --device {self.device} "
+                                  f"--dtype {self.dtype}")
 
 
 @dataclass(slots=True)

@@ -70,9 +70,11 @@ def load_model(config: EngineConfig, folder: Path, local: ModelConfig, dtype: to
                device: torch.device, tp_rank: int = 0) -> LlamaModel:
     """This rank's shard of the weights (all of them without tensor parallelism)."""
     try:
-        return LlamaModel(local, loader.load_state_dict(folder), dtype, device,
-                          max(config.max_model_len, 1), tp_rank,
-                          all_reduce if config.tensor_parallel_size > 1 else None)
+        weights = loader.dummy_state_dict(folder) if config.load_format == "dummy" else \
+            loader.load_state_dict(folder)
+        return LlamaModel(local, weights, dtype, device, max(config.max_model_len, 1), tp_rank,
+                          all_reduce if config.tensor_parallel_size > 1 else None,
+                          config.quantization)
     except ValueError as e:
         raise loader.ModelLoadError(f"{folder}: {e}") from None
 

@@ -58,6 +58,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every decode step's kernels from Python: no CUDA graphs "
                         "(CPUs run eagerly anyway)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="int8: every weight quantized at load, per output channel, and "
+                        "multiplied in int8 with each row of x quantized on the fly (CPU)")
+    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="dummy: random weights of the shape config.json gives (a folder "
+                        "with config.json and a tokenizer): for benchmarks")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's names in the API (the first in responses; default: "
                         "the model's own)")
@@ -100,7 +106,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         else args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, quantization=args.quantization,
+        load_format=args.load_format)
     cfg.validate()
     return cfg
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.model import attention, gemma, loader
+from pdserve.model import attention, gemma, loader, quant
 from pdserve.model.attention import Scores
 from pdserve.model.decode_layers import LayerWeights, NativeLayers, Shape
 from pdserve.model.elementwise import Elementwise
@@ -25,6 +25,7 @@ from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import PAIR_ROWS, Gemm, Linear, Weight
 from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
+from pdserve.model.quant import Int8Weight
 
 # HF model_type values
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral",
@@ -231,13 +232,14 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device | str = "cpu",
                  max_len: int = 4096, tp_rank: int = 0,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 quantization: str | None = None) -> None:
         self.config = config
         self.dtype = dtype
         weights = _unfused(weights, config)
         self.all_reduce = all_reduce or (lambda t: t)
         self.gemm = gemm = Gemm.for_model(dtype, device, sum(
-            t.numel() for t in weights.values()) * dtype.itemsize)
+            t.numel() for t in weights.values()) * dtype.itemsize, quantization)
         self.ops = Elementwise.for_model(dtype, device)
         self.paged = PagedAttention.for_model(config.num_heads, config.num_kv_heads,
                                               config.head_dim, dtype, device)
@@ -298,10 +300,14 @@ class LlamaModel:
             post_attn=gemma_norm(i, "post_attention_layernorm"),
             post_mlp=gemma_norm(i, "post_feedforward_layernorm"),
         ) for i in range(config.num_layers)]
-        self.embed = w("model.embed_tokens.weight")
+        # int8: the embedding is quantized as the lm_head is (a scale per row), one copy
+        # of it where the two are tied.
+        self.embed: torch.Tensor | Int8Weight = w("model.embed_tokens.weight")
+        if gemm.int8:
+            self.embed = quant.quantize(self.embed)
         self.norm = w("model.norm.weight")
-        self.lm_head = gemm.weight(self.embed if config.tie_word_embeddings
-                                   else w("lm_head.weight"))
+        self.lm_head = self.embed if gemm.int8 and config.tie_word_embeddings else \
+            gemm.weight(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
         self.ropes = [_rope_table(config, theta, config.rope_scaling if i == 0 else None,
                                   max_len, device, dtype)
                       for i, theta in enumerate([config.rope_theta, config.local_rope_theta])
@@ -339,7 +345,8 @@ class LlamaModel:
         """Run the batch, store its K/V in `cache`, return float32 logits [B, vocab]."""
         c = self.config
         # index_select: a third of indexing's cost in a decode step (3 against 9 us)
-        h = self.embed.index_select(0, batch.input_ids)
+        h = quant.rows(self.embed, batch.input_ids, self.dtype) if isinstance(
+            self.embed, Int8Weight) else self.embed.index_select(0, batch.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         ropes = [(cos.index_select(0, batch.positions), sin.index_select(0, batch.positions))

@@ -57,8 +57,9 @@ def resolve(model: str | None) -> Path:
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists() and len(ggufs) == 1:
         return _converted(ggufs[0])
-    if not (path / "config.json").exists() or not list(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path} has no config.json with *.safetensors weights")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json (an HF folder: config.json, "
+                             "*.safetensors weights, a tokenizer)")
     return path
 
 
@@ -108,10 +109,40 @@ def load_config(folder: Path) -> dict:
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has config.json but no *.safetensors weights (for "
+                             "random weights of its shape: --load-format dummy)")
     weights: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in files:
         try:
             weights.update(load_file(file))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights {file}: {e}") from None
+    return weights
+
+
+def dummy_state_dict(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of the shapes transformers gives the model of folder's config.json
+    (`--load-format dummy`): norms 1, biases 0, the rest normal with std 0.02 (HF's init).
+    Seeded, so that every instance and rank of one config holds the same weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in
+                      AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot make dummy weights for {folder}: {e}") from None
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            weights[name] = torch.ones(shape)
+        elif name.endswith(".bias"):
+            weights[name] = torch.zeros(shape)
+        else:
+            weights[name] = torch.empty(shape).normal_(0, 0.02, generator=gen)
     return weights

@@ -1,0 +1,183 @@
+// Products with int8 weights, computed in integers: y = sum over groups g of 32 inputs of
+// (qx_g qw_g^T) * (sx_g * sw_g), plus b. GGUF's Q8_0 on both sides, as llama.cpp multiplies it.
+//
+// The weight w [n, k] comes in groups of 32 inputs, each with an int8 quant (|q| <= 127) and
+// a float16 scale per output (Q8_0's block), laid out "quad-packed": for each block of 8
+// outputs and each quad of inputs (4q .. 4q+3), the 8 outputs' four quants side by side,
+// [ceil(n/8)][k/4][8][4] (k a multiple of 32; zeros pad n), and the scales [ceil(n/8)][k/32][8].
+// Each row of x is quantized as it comes, in groups of 32 (sx = max|x| / 127), so a row's
+// result does not depend on the rows beside it: the integer sums are exact and the float sums
+// run over the groups in order, with the same steps in every batch and tile.
+//
+// With AVX2 one 32-byte load of the quants serves 8 outputs times 4 inputs: the row's quad is
+// broadcast, and vpmaddubsw multiplies |x| (unsigned) by w carrying x's sign (vpsignb), then
+// vpmaddwd sums the pairs into 32-bit lanes. With both sides within +-127 a pair's sum stays
+// under 2^15, so the 16-bit step never saturates. A tile is up to 2 rows by 2 blocks; each
+// thread takes an equal run of blocks. Without AVX2 (and F16C) the function returns nonzero
+// and the caller computes the same numbers in torch (quant.reference).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#include <omp.h>
+#endif
+
+namespace {
+using pdserve::to_float;
+constexpr int kGroup = 32;
+
+uint16_t float_to_bf16(float f) {  // to nearest even, NaN kept quiet (as torch rounds)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A row of x quantized in groups of 32 into q, their scales into s: the steps of
+// quant.quantize_groups, amax / 127 and x * (127 / amax) rounded to nearest even.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* s) {
+  for (int64_t g = 0; g < k; g += kGroup) {
+    float amax = 0.f;
+    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(to_float(x[g + j])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int j = 0; j < kGroup; ++j) q[g + j] = int8_t(std::nearbyint(to_float(x[g + j]) * inv));
+    s[g / kGroup] = amax / 127.f;
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+constexpr int kRows = 2, kBlocks = 2, kLanes = 8;  // 16 ymm registers: 2 x 2 sums and accumulators
+
+struct Rows {  // a tile's rows of x, quantized
+  const int8_t* q;
+  const float* s;  // [rows][k / 32]
+};
+
+struct Out {  // where a tile's sums go
+  const void* b;  // bias [n] in y's type, or null
+  void* y;
+  int64_t n;
+  bool bf16;
+};
+
+template <int R, int B>
+void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, const Out& o) {
+  const int64_t groups = k / kGroup, stride = k * kLanes, sstride = groups * kLanes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][B];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sums[R][B];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < B; ++j) sums[i][j] = _mm256_setzero_si256();
+    for (int64_t q = g * kGroup / 4; q < (g + 1) * kGroup / 4; ++q) {
+      __m256i w[B];
+      for (int j = 0; j < B; ++j)
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * stride + q * 32));
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, x.q + i * k + 4 * q, sizeof quad);
+        const __m256i xq = _mm256_set1_epi32(quad), ax = _mm256_abs_epi8(xq);
+        for (int j = 0; j < B; ++j) {
+          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[j], xq));
+          sums[i][j] = _mm256_add_epi32(sums[i][j], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int j = 0; j < B; ++j) {
+      const __m256 sw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + j * sstride + g * kLanes)));
+      for (int i = 0; i < R; ++i) {
+        __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][j]),
+                                    _mm256_mul_ps(_mm256_set1_ps(x.s[i * groups + g]), sw));
+        asm("" : "+x"(part));  // rounded before the sum, as torch's steps: no fused add
+        acc[i][j] = _mm256_add_ps(acc[i][j], part);
+      }
+    }
+  }
+  for (int j = 0; j < B; ++j) {
+    const int64_t c0 = col + j * kLanes, width = std::min<int64_t>(kLanes, o.n - c0);
+    for (int i = 0; i < R; ++i) {
+      float v[kLanes];
+      _mm256_storeu_ps(v, acc[i][j]);
+      for (int64_t l = 0; l < width; ++l) {
+        const int64_t c = c0 + l;
+        if (o.bf16) {
+          const float b = o.b ? to_float(static_cast<const uint16_t*>(o.b)[c]) : 0.f;
+          static_cast<uint16_t*>(o.y)[i * o.n + c] = float_to_bf16(o.b ? v[l] + b : v[l]);
+        } else {
+          const float* b = static_cast<const float*>(o.b);
+          static_cast<float*>(o.y)[i * o.n + c] = b ? v[l] + b[c] : v[l];
+        }
+      }
+    }
+  }
+}
+
+using Tile = void (*)(Rows, int64_t, const int8_t*, const uint16_t*, int64_t, const Out&);
+
+template <int B, int... R>
+Tile pick(int rows, std::integer_sequence<int, R...>) {
+  Tile t = nullptr;
+  ((t = rows == R + 1 ? tile<R + 1, B> : t), ...);
+  return t;
+}
+
+Tile tile_for(int rows, int blocks) {
+  constexpr auto r = std::make_integer_sequence<int, kRows>{};
+  return blocks == kBlocks ? pick<kBlocks>(rows, r) : pick<1>(rows, r);
+}
+#endif
+}  // namespace
+
+// x [m, k] (bfloat16 if bf16, else float32; rows contiguous; k a multiple of 32), wq and ws
+// quad-packed from [n, k] (above), b [n] in x's type or null, y [m, n] in x's type. Returns
+// nonzero where it has no kernel (no AVX2 and F16C, or k not a multiple of 32).
+extern "C" int pdserve_int8_gemm(int bf16, const void* x, const void* wq, const void* ws,
+                                 const void* b, void* y, int64_t m, int64_t n, int64_t k,
+                                 int threads) {
+#if defined(__AVX2__) && defined(__F16C__)
+  if (k % kGroup) return 1;
+  const int64_t blocks = (n + kLanes - 1) / kLanes, groups = k / kGroup;
+  std::vector<int8_t> qx(m * k);
+  std::vector<float> sx(m * groups);
+#pragma omp parallel for num_threads(threads)
+  for (int64_t i = 0; i < m; ++i) {
+    if (bf16)
+      quantize_row(static_cast<const uint16_t*>(x) + i * k, k, &qx[i * k], &sx[i * groups]);
+    else
+      quantize_row(static_cast<const float*>(x) + i * k, k, &qx[i * k], &sx[i * groups]);
+  }
+  const auto* Q = static_cast<const int8_t*>(wq);
+  const auto* S = static_cast<const uint16_t*>(ws);
+  const int64_t esize = bf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t end = blocks * (t + 1) / nt;
+    for (int64_t first = blocks * t / nt; first < end; first += kBlocks) {
+      const int count = int(std::min<int64_t>(end - first, kBlocks));
+      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+        const int rows = int(std::min<int64_t>(m - i0, kRows));
+        const Out o{b, static_cast<char*>(y) + i0 * n * esize, n, bool(bf16)};
+        tile_for(rows, count)(Rows{&qx[i0 * k], &sx[i0 * groups]}, k,
+                              Q + first * k * kLanes, S + first * groups * kLanes,
+                              first * kLanes, o);
+      }
+    }
+  }
+  return 0;
+#else
+  (void)bf16, (void)x, (void)wq, (void)ws, (void)b, (void)y, (void)m, (void)n, (void)k,
+      (void)threads;
+  return 1;
+#endif
+}

@@ -1,0 +1,42 @@
+"""int8 weights (`--quantization int8`) served for real: P/D over NIXL token for token equal
+to the same weights served monolithically, prompts prefilled in several chunks included."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import MODEL, kv_config, pools_whole, remote_pd, serve, stop
+from tests.utils import PASSAGE, metric
+
+PROMPTS = ["The capital of France is", PASSAGE[:300], PASSAGE * 2]  # the last: 2 chunks of 512
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # kv_both: the prefill serves plain requests too, as a monolith with the same weights.
+    prefill = serve(kv_config(), "--quantization", "int8", "--max-model-len", "1024")
+    decode = serve(kv_config(), "--quantization", "int8", "--max-model-len", "1024")
+    yield prefill, decode
+    stop(prefill, decode)
+
+
+def _body(prompt: str) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "logprobs": 1}
+
+
+def test_pd_equals_monolithic_with_int8_weights(pair):
+    prefill, decode = pair
+    pulled = metric(decode.url, "pdserve_kv_transfers_total")
+    for prompt in PROMPTS:
+        # the prefill as the monolith: the decode's prefix cache stays cold for the pulls
+        want = httpx.post(prefill.url + "/v1/completions", json=_body(prompt), timeout=120)
+        got = remote_pd(prefill.url, decode.url, _body(prompt))
+        assert got.status_code == want.status_code == 200, got.text
+        w, g = want.json()["choices"][0], got.json()["choices"][0]
+        assert g["text"] == w["text"] and g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+        # the decode's logprobs come from the same integer products: exactly equal
+        assert g["logprobs"]["token_logprobs"][1:] == w["logprobs"]["token_logprobs"][1:]
+    assert metric(decode.url, "pdserve_kv_transfers_total") - pulled == len(PROMPTS)
+    pools_whole(prefill.url, decode.url)

@@ -24,7 +24,9 @@ from pdserve.config import EngineConfig
 from pdserve.engine import build
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
+from pdserve.model.linear import Weight
 from pdserve.model.loader import TORCH_DTYPES, model_name, resolve
+from pdserve.model.quant import Int8Weight
 
 MAX_TOKEN_ID = 10000  # nano-vllm draws prompt ids from [0, 10000]
 
@@ -49,6 +51,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
+    p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of --model's config (benchmarks/models); "
+                        "implies --skip-hf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="engine only")
@@ -101,7 +107,8 @@ def engine_for(args: argparse.Namespace, w: Workload, batches: list[int],
     # prefill would time nothing (random prompts share no prefixes, so the throughput run
     # loses nothing).
     return build.build_engine(EngineConfig(
-        model=args.model, dtype=args.dtype, num_kv_blocks=max(need, decode_need) + 1,
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        load_format=args.load_format, num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed,
         enable_prefix_caching=False))
@@ -233,7 +240,10 @@ def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[flo
         f"{len(w.prompts)} sequences of random token ids (seed {args.seed}): input "
         f"{args.min_input}-{args.max_input} ({sum(map(len, w.prompts))} tokens), output "
         f"{args.min_output}-{args.max_output} ({n} tokens), ignore_eos, greedy; "
-        f"{model_name(args.model)}, {args.dtype}, {torch.get_num_threads()} torch threads",
+        f"{model_name(args.model)}, {args.dtype}"
+        f"{', ' + args.quantization if args.quantization else ''}"
+        f"{', dummy weights' if args.load_format == 'dummy' else ''}, "
+        f"{torch.get_num_threads()} torch threads",
         "",
         "| run | output tokens | time (s) | output tokens/s |",
         "|---|---:|---:|---:|",
@@ -251,6 +261,41 @@ def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[flo
     lines += _path_table(prefill, f"Engine prefill of a lone prompt (first token), median of "
                          f"{args.prefill_runs}, by attention:", "prompt tokens", "prefill")
     return "\n".join(lines)
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights a decode step reads: every layer's products and the lm_head, in the
+    layout the decode products read (the pair-packed copy of a Weight)."""
+    model = engine.runner.model
+    linears = [w for x in model.layers for w in (x.qkv, x.o, x.gate_up, x.down)
+               if w is not None] + [model.lm_head]
+    return sum(w.nbytes if isinstance(w, Int8Weight) else
+               w.pairs.nbytes if isinstance(w, Weight) else w.numel() * w.element_size()
+               for w in linears)
+
+
+def read_bandwidth(gib: int = 2, runs: int = 5) -> float:
+    """GB/s this host reads at: torch summing a `gib` GiB float32 tensor, best of `runs`."""
+    t = torch.ones(gib * 2**28)
+    best = min(_timed(t.sum) for _ in range(runs))
+    return t.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bandwidth_report(engine: LLMEngine, decode: dict[str, dict[int, float]], batch: int
+                     ) -> str:
+    """A decode step's weight reads per second against the host's read bandwidth."""
+    nbytes, host = weight_bytes(engine), read_bandwidth()
+    ms = next(iter(decode.values()))[batch]
+    rate = nbytes / ms / 1e6
+    return (f"\nWeights read per decode step: {nbytes / 1e9:.3f} GB; at batch {batch} "
+            f"{rate:.1f} GB/s, {rate / host:.0%} of this host's read bandwidth ({host:.1f} "
+            f"GB/s: {torch.get_num_threads()} threads summing 2 GiB of float32)")
 
 
 def _path_table(times: dict[str, dict[int, float]], title: str, size: str, what: str
@@ -283,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     prefills = [int(n) for n in args.prefill_lens.split(",") if n.strip()]
     w = make_workload(args)
     engine = engine_for(args, w, batches, prefills)
-    hf = None if args.skip_hf else load_hf(args)
+    hf = None if args.skip_hf or args.load_format == "dummy" else load_hf(args)
     _warm_up(engine, hf)
     print(f"engine: {len(w.prompts)} sequences, {w.output_tokens} output tokens ...", flush=True)
     engine_s = run_engine(engine, w)
@@ -294,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     decode = attention_paths(engine, lambda b: decode_step_ms(engine, args, b), batches)
     prefill = attention_paths(engine, lambda n: prefill_ms(engine, args, n), prefills)
     print(report(args, w, engine_s, hf_result, decode, prefill), flush=True)
+    if batches:
+        print(bandwidth_report(engine, decode, batches[0]), flush=True)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pdserve.bench import offline
 
 
@@ -33,6 +35,9 @@ def test_tiny_run_prints_both_tables(capsys):
     assert "paged kernel step (ms)" in out and "torch step (ms)" in out
     assert "paged kernel prefill (ms)" in out and "| 40 |" in out
     assert out.count("torch / kernel") == 2
+    # the decode step's weight reads against the host's, measured in the same run
+    assert re.search(r"Weights read per decode step: 0\.\d+ GB; at batch 1 [\d.]+ GB/s, \d+% "
+                     r"of this host's read bandwidth \([\d.]+ GB/s", out), out[-400:]
 
 
 def test_each_attention_path_times_a_prefill_it_computes():

@@ -13,7 +13,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("NixlConnector",)
 KV_LAYOUTS = ("NHD", "HND")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -38,7 +38,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
-    quantization: str | None = None  # int8: weights quantized at load (model/quant.py)
+    quantization: str | None = None  # int8, int4: weights quantized at load (model/quant.py)
     load_format: str = "auto"  # dummy: random weights of the config's shape (benchmarks)
 
     def validate(self) -> None:

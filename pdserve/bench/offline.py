@@ -26,7 +26,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
 from pdserve.model.linear import Weight
 from pdserve.model.loader import TORCH_DTYPES, model_name, resolve
-from pdserve.model.quant import Int8Weight
+from pdserve.model.quant import QuantWeight
 
 MAX_TOKEN_ID = 10000  # nano-vllm draws prompt ids from [0, 10000]
 
@@ -51,7 +51,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
-    p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of --model's config (benchmarks/models); "
                         "implies --skip-hf")
@@ -269,7 +269,7 @@ def weight_bytes(engine: LLMEngine) -> int:
     model = engine.runner.model
     linears = [w for x in model.layers for w in (x.qkv, x.o, x.gate_up, x.down)
                if w is not None] + [model.lm_head]
-    return sum(w.nbytes if isinstance(w, Int8Weight) else
+    return sum(w.nbytes if isinstance(w, QuantWeight) else
                w.pairs.nbytes if isinstance(w, Weight) else w.numel() * w.element_size()
                for w in linears)
 

@@ -58,9 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every decode step's kernels from Python: no CUDA graphs "
                         "(CPUs run eagerly anyway)")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="int8: every weight quantized at load, per output channel, and "
-                        "multiplied in int8 with each row of x quantized on the fly (CPU)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="every weight quantized at load, in groups of 32 (GGUF's Q8_0 or "
+                        "Q4_0), and multiplied quantized against rows of x quantized on "
+                        "the fly (CPU)")
     p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="dummy: random weights of the shape config.json gives (a folder "
                         "with config.json and a tokenizer): for benchmarks")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import native, quant
-from pdserve.model.quant import Int8Weight
+from pdserve.model.quant import QuantWeight
 from pdserve.platforms.cpu import has_amx, has_native_bf16
 
 PAIR_ROWS = 128  # up to this many rows, products take the pair-packed weight (pdserve_pair_gemm)
@@ -43,7 +43,7 @@ def pair_packed(w: torch.Tensor) -> torch.Tensor:
     return F.pad(w, (0, 0, 0, -n % 16)).view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
-Linear = torch.Tensor | Weight | Int8Weight  # what Gemm.weight makes of a weight
+Linear = torch.Tensor | Weight | QuantWeight  # what Gemm.weight makes of a weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +56,14 @@ class Gemm:
     prepacked: bool
     lib: ctypes.CDLL | None = None  # pdserve_pair_gemm, for the decode batches of a Weight
     gated_rows: int = PAIR_ROWS  # the most rows a gated product takes the pairs kernel for
-    int8: bool = False  # weights quantized at load, computed in int8 (quant.py)
+    bits: int = 0  # 8 or 4: weights quantized at load, computed quantized (quant.py)
 
     @classmethod
     def for_model(cls, dtype: torch.dtype, device: torch.device | str,
                   weight_bytes: int = 0, quantization: str | None = None) -> Gemm:
         """weight_bytes: the model's weights, which the pair-packed copies double."""
-        if quantization == "int8":
-            return cls(False, int8=True)
+        if quantization is not None:
+            return cls(False, bits=quant.BITS[quantization])
         prepacked = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
                      and has_native_bf16() and torch.backends.mkldnn.is_available())
         spare = weight_bytes * RAM_SHARE <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
@@ -73,8 +73,8 @@ class Gemm:
 
     def weight(self, w: torch.Tensor, gated: bool = False) -> Linear:
         """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul."""
-        if self.int8:
-            return quant.quantize(w)
+        if self.bits:
+            return quant.quantize(w, self.bits)
         if not self.prepacked:
             return w
         # The hint (batch 1) picks the decode-friendly blocking; prefills run as fast on it.
@@ -88,7 +88,7 @@ class Gemm:
 
     def __call__(self, x: torch.Tensor, w: Linear, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        if isinstance(w, Int8Weight):
+        if isinstance(w, QuantWeight):
             return quant.linear(x, w, b)
         if isinstance(w, Weight):
             if not w.gated and (y := self._pairs(x, w, b)) is not None:

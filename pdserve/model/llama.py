@@ -25,7 +25,7 @@ from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import PAIR_ROWS, Gemm, Linear, Weight
 from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
-from pdserve.model.quant import Int8Weight
+from pdserve.model.quant import QuantWeight
 
 # HF model_type values
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral",
@@ -300,13 +300,13 @@ class LlamaModel:
             post_attn=gemma_norm(i, "post_attention_layernorm"),
             post_mlp=gemma_norm(i, "post_feedforward_layernorm"),
         ) for i in range(config.num_layers)]
-        # int8: the embedding is quantized as the lm_head is (a scale per row), one copy
-        # of it where the two are tied.
-        self.embed: torch.Tensor | Int8Weight = w("model.embed_tokens.weight")
-        if gemm.int8:
-            self.embed = quant.quantize(self.embed)
+        # Quantized, the embedding is quantized as the lm_head is (rows of groups), one
+        # copy of it where the two are tied.
+        self.embed: torch.Tensor | QuantWeight = w("model.embed_tokens.weight")
+        if gemm.bits:
+            self.embed = quant.quantize(self.embed, gemm.bits)
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if gemm.int8 and config.tie_word_embeddings else \
+        self.lm_head = self.embed if gemm.bits and config.tie_word_embeddings else \
             gemm.weight(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
         self.ropes = [_rope_table(config, theta, config.rope_scaling if i == 0 else None,
                                   max_len, device, dtype)
@@ -346,7 +346,7 @@ class LlamaModel:
         c = self.config
         # index_select: a third of indexing's cost in a decode step (3 against 9 us)
         h = quant.rows(self.embed, batch.input_ids, self.dtype) if isinstance(
-            self.embed, Int8Weight) else self.embed.index_select(0, batch.input_ids)
+            self.embed, QuantWeight) else self.embed.index_select(0, batch.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         ropes = [(cos.index_select(0, batch.positions), sin.index_select(0, batch.positions))

@@ -1,11 +1,11 @@
-"""int8 weights computed quantized (`--quantization int8`): each weight quantized once, at
-load, in GGUF's Q8_0 form (groups of 32 inputs, an int8 per weight and a float16 scale per
-group), and multiplied in integers by rows of x quantized the same way on the fly
-(csrc/int8_gemm.cpp), as llama.cpp multiplies Q8_0. A decode step on a CPU costs the bytes of
-weights it reads: this reads 34 bytes per 32 weights, against 128 in float32 and 64 in bf16.
-Embeddings are the same kind of table (a row per token), so a tied lm_head and the embedding
-share one copy. Groups of 32 keep activations' outliers local: the embedded SmolLM2 lost 0.5 %
-of perplexity with them, 4.2 % with a scale per output channel and per row of x.
+"""Weights computed quantized (`--quantization int8` or `int4`): each weight quantized once,
+at load, in GGUF's Q8_0 or Q4_0 form (groups of 32 inputs, a quant per weight and a float16
+scale per group), and multiplied in integers by rows of x quantized to Q8_0 on the fly
+(csrc/quant_gemm.cpp), as llama.cpp multiplies them. A decode step on a CPU costs the bytes of
+weights it reads: Q8_0 is 34 bytes per 32 weights and Q4_0 18, against 128 in float32 and 64
+in bf16. Embeddings are the same kind of table (a row per token), so a tied lm_head and the
+embedding share one copy. Groups of 32 keep activations' outliers local: the embedded SmolLM2
+lost 0.5 % of perplexity with int8 in groups, 4.2 % with a scale per output channel and row.
 
 Rows are quantized alone, integer sums are exact and the groups are summed in order, so a
 row's output does not depend on the batch it came in: chunked prefills and P/D stay token for
@@ -21,46 +21,74 @@ import torch.nn.functional as F
 
 from pdserve.model import native
 
-GROUP = 32  # inputs sharing a scale (Q8_0's block)
-LANES, QUAD = 8, 4  # a block of 8 outputs by a quad of 4 inputs (csrc/int8_gemm.cpp)
+BITS = {"int8": 8, "int4": 4}
+GROUP = 32  # inputs sharing a scale (Q8_0's and Q4_0's block)
+LANES = 8  # outputs in a block of the packed layout (csrc/quant_gemm.cpp)
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """w [n, k] (k a multiple of 32) as int8 quants quad-packed, [ceil(n / 8), k / 4, 8, 4],
-    and float16 scales per output and group of 32 inputs, [ceil(n / 8), k / 32, 8]:
+class QuantWeight:
+    """w [n, k] (k a multiple of 32) as quants of `bits` 8 or 4, octet-packed
+    ([ceil(n / 8), k / 8, 64 or 32] bytes, csrc/quant_gemm.cpp), and float16 scales per
+    output and group of 32 inputs, [ceil(n / 8), k / 32, 8]:
     w[o, i] ~ q[o, i] * scale[o, i // 32]."""
     q: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
+    bits: int
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * 2
 
 
-def quantize(w: torch.Tensor) -> Int8Weight:
-    """Q8_0: per output and group of 32 inputs, scale = max |w| / 127 (kept as float16) and
-    q = round(w * 127 / max |w|), as llama.cpp's quantizer does."""
+def quantize(w: torch.Tensor, bits: int) -> QuantWeight:
+    """Q8_0 (bits 8) or Q4_0 (bits 4) of w, as llama.cpp's quantizer makes them."""
     n, k = w.shape
     if k % GROUP:
-        raise ValueError(f"--quantization int8 needs weights whose rows are a multiple of "
-                         f"{GROUP} wide; one is [{n}, {k}]")
-    q, scales = quantize_groups(w)
-    return packed(q, scales.half())
+        raise ValueError(f"quantized weights need rows a multiple of {GROUP} wide; one is "
+                         f"[{n}, {k}]")
+    q, scales = quantize_groups(w) if bits == 8 else _q4_0(w)
+    return packed(q, scales.half(), bits)
 
 
-def packed(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
-    """An Int8Weight from quants q [n, k] int8 and float16 scales [n, k / 32]."""
+def _q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32: d = (the value of largest magnitude) / -8, q = floor(w / d + 8.5)
+    up to 15, minus 8: quants within -8..7."""
+    x = w.float().unflatten(-1, (-1, GROUP))
+    peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    d = peak / -8
+    inv = torch.where(d != 0, torch.ones_like(d) / d, 0)
+    q = (x * inv + 8.5).floor().clamp(max=15) - 8
+    return q.to(torch.int8).flatten(-2), d.squeeze(-1)
+
+
+def packed(q: torch.Tensor, scales: torch.Tensor, bits: int) -> QuantWeight:
+    """A QuantWeight from quants q [n, k] int8 (within -8..7 for bits 4) and float16 scales
+    [n, k / 32]."""
     n, k = q.shape
-    q = F.pad(q, (0, 0, 0, -n % LANES)).view(-1, LANES, k // QUAD, QUAD).transpose(1, 2)
+    octets = F.pad(q, (0, 0, 0, -n % LANES)).view(-1, LANES, k // 8, 2, 4)
+    if bits == 4:  # the octet's first quad in the low halves, its second in the high ones
+        u = (octets + 8).to(torch.uint8)
+        octets = (u[..., 0, :] | (u[..., 1, :] << 4)).view(torch.int8).unsqueeze(-2)
+    q = octets.permute(0, 2, 3, 1, 4).reshape(-1, k // 8, LANES * bits)
     scales = F.pad(scales, (0, 0, 0, -n % LANES)).view(-1, LANES, k // GROUP).transpose(1, 2)
-    return Int8Weight(q.contiguous(), scales.contiguous(), n, k)
+    return QuantWeight(q.contiguous(), scales.contiguous(), n, k, bits)
+
+
+def unpacked(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, k] int8 and float32 scales [n, k / 32] back from the packed layout."""
+    halves = w.q.view(-1, w.k // 8, 2 if w.bits == 8 else 1, LANES, 4)
+    if w.bits == 4:
+        u = halves.view(torch.uint8)
+        halves = torch.cat([(u & 15).view(torch.int8) - 8, (u >> 4).view(torch.int8) - 8], 2)
+    q = halves.permute(0, 3, 1, 2, 4).reshape(-1, w.k)[:w.n]
+    return q, w.scales.transpose(1, 2).reshape(-1, w.k // GROUP)[:w.n].float()
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., k] as int8 in groups of 32 and their float32 scales [..., k / 32]: the
+    """x [..., k] as int8 in groups of 32 (Q8_0) and their float32 scales [..., k / 32]: the
     kernel's steps, amax / 127 and x * (127 / amax) rounded to nearest even."""
     x = x.float().unflatten(-1, (-1, GROUP))
     amax = x.abs().amax(-1)
@@ -69,34 +97,32 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv).to(torch.int8).flatten(-2), amax / 127
 
 
-def unpacked(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n, k] and float32 scales [n, k / 32] back from the packed layout."""
-    q = w.q.transpose(1, 2).reshape(-1, w.k)[:w.n]
-    return q, w.scales.transpose(1, 2).reshape(-1, w.k // GROUP)[:w.n].float()
-
-
-def rows(w: Int8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rows(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of w dequantized (an embedding lookup), rounded to dtype."""
-    q = w.q[ids // LANES, :, ids % LANES, :].reshape(len(ids), -1, GROUP)
-    s = w.scales[ids // LANES, :, ids % LANES].float()
-    return (q.float() * s.unsqueeze(-1)).flatten(1).to(dtype)
+    blocks = QuantWeight(w.q[ids // LANES], w.scales[ids // LANES], LANES * len(ids), w.k,
+                         w.bits)
+    q, s = unpacked(blocks)
+    pick = torch.arange(len(ids)) * LANES + ids % LANES
+    q, s = q[pick], s[pick]
+    return (q.float().unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def linear(x: torch.Tensor, w: Int8Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] (float32 or bfloat16) times w^T, plus b: [m, n] in x's dtype."""
     lib = native.library()
     if lib is not None and x.dtype in native.DTYPES and x.dim() == 2:
         x = x.contiguous()
         y = x.new_empty(x.shape[0], w.n)
-        rc = lib.pdserve_int8_gemm(native.DTYPES[x.dtype], x.data_ptr(), w.q.data_ptr(),
-                                   w.scales.data_ptr(), None if b is None else b.data_ptr(),
-                                   y.data_ptr(), x.shape[0], w.n, w.k, torch.get_num_threads())
+        rc = lib.pdserve_quant_gemm(w.bits, native.DTYPES[x.dtype], x.data_ptr(),
+                                    w.q.data_ptr(), w.scales.data_ptr(),
+                                    None if b is None else b.data_ptr(), y.data_ptr(),
+                                    x.shape[0], w.n, w.k, torch.get_num_threads())
         if rc == 0:
             return y
     return reference(x, w, b)
 
 
-def reference(x: torch.Tensor, w: Int8Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+def reference(x: torch.Tensor, w: QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's numbers in torch: each group's integer sums (exact in float64), then
     y += sum * (sx * sw) group by group in float32, plus b, rounded to x's dtype."""
     qx, sx = quantize_groups(x.reshape(-1, w.k))

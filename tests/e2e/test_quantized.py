@@ -1,5 +1,6 @@
-"""int8 weights (`--quantization int8`) served for real: P/D over NIXL token for token equal
-to the same weights served monolithically, prompts prefilled in several chunks included."""
+"""Quantized weights served for real: P/D over NIXL token for token equal to the same weights
+served monolithically, prompts prefilled in several chunks included. int4 (Q4_0) here; int8
+(Q8_0) runs the same kernel with another unpacking (tests/model/test_quant.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ PROMPTS = ["The capital of France is", PASSAGE[:300], PASSAGE * 2]  # the last: 
 @pytest.fixture(scope="module")
 def pair():
     # kv_both: the prefill serves plain requests too, as a monolith with the same weights.
-    prefill = serve(kv_config(), "--quantization", "int8", "--max-model-len", "1024")
-    decode = serve(kv_config(), "--quantization", "int8", "--max-model-len", "1024")
+    prefill = serve(kv_config(), "--quantization", "int4", "--max-model-len", "1024")
+    decode = serve(kv_config(), "--quantization", "int4", "--max-model-len", "1024")
     yield prefill, decode
     stop(prefill, decode)
 
@@ -26,7 +27,7 @@ def _body(prompt: str) -> dict:
             "logprobs": 1}
 
 
-def test_pd_equals_monolithic_with_int8_weights(pair):
+def test_pd_equals_monolithic_with_int4_weights(pair):
     prefill, decode = pair
     pulled = metric(decode.url, "pdserve_kv_transfers_total")
     for prompt in PROMPTS:

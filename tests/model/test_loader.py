@@ -39,7 +39,7 @@ def test_a_config_without_weights_is_refused_naming_dummy(config_only):
         loader.load_state_dict(config_only)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_an_engine_serves_dummy_weights_with_the_embedded_tokenizer(config_only, quantization):
     engine = build_engine(EngineConfig(model=str(config_only), dtype="float32",
                                        load_format="dummy", quantization=quantization,

@@ -1,15 +1,18 @@
-// Products with int8 weights, computed in integers: y = sum over groups g of 32 inputs of
-// (qx_g qw_g^T) * (sx_g * sw_g), plus b. GGUF's Q8_0 on both sides, as llama.cpp multiplies it.
+// Products with int8 or int4 weights, computed in integers: y = sum over groups g of 32
+// inputs of (qx_g qw_g^T) * (sx_g * sw_g), plus b. GGUF's Q8_0 and Q4_0 weights against Q8_0
+// rows of x, as llama.cpp multiplies them.
 //
-// The weight w [n, k] comes in groups of 32 inputs, each with an int8 quant (|q| <= 127) and
-// a float16 scale per output (Q8_0's block), laid out "quad-packed": for each block of 8
-// outputs and each quad of inputs (4q .. 4q+3), the 8 outputs' four quants side by side,
-// [ceil(n/8)][k/4][8][4] (k a multiple of 32; zeros pad n), and the scales [ceil(n/8)][k/32][8].
-// Each row of x is quantized as it comes, in groups of 32 (sx = max|x| / 127), so a row's
-// result does not depend on the rows beside it: the integer sums are exact and the float sums
-// run over the groups in order, with the same steps in every batch and tile.
+// The weight w [n, k] comes in groups of 32 inputs, each with a quant per weight (int8 within
+// +-127, or int4 within -8..7) and a float16 scale per output. Quants are "octet-packed": for
+// each block of 8 outputs and each octet of inputs (8o .. 8o+7), 64 bytes (int8: the 8
+// outputs' quants of 8o .. 8o+3 side by side, 4 each, then those of 8o+4 .. 8o+7) or 32
+// (int4: byte 4j + i holds output j's quant of 8o+i in its low half and of 8o+4+i in its high
+// half, each plus 8), [ceil(n/8)][k/8][64 or 32] bytes (k a multiple of 32; zeros pad n).
+// Scales are [ceil(n/8)][k/32][8]. Each row of x is quantized as it comes, in groups of 32
+// (sx = max|x| / 127), so a row's result does not depend on the rows beside it: the integer
+// sums are exact and the float sums run over the groups in order, the same in any batch.
 //
-// With AVX2 one 32-byte load of the quants serves 8 outputs times 4 inputs: the row's quad is
+// With AVX2 one 32-byte vector of quants serves 8 outputs times 4 inputs: the row's quad is
 // broadcast, and vpmaddubsw multiplies |x| (unsigned) by w carrying x's sign (vpsignb), then
 // vpmaddwd sums the pairs into 32-bit lanes. With both sides within +-127 a pair's sum stays
 // under 2^15, so the 16-bit step never saturates. A tile is up to 2 rows by 2 blocks; each
@@ -67,10 +70,32 @@ struct Out {  // where a tile's sums go
   bool bf16;
 };
 
-template <int R, int B>
+// Block j's quants for inputs 8o .. 8o+3 (a) and 8o+4 .. 8o+7 (b), as int8.
+template <int Bits>
+inline void load_octet(const int8_t* w, int64_t o, __m256i& a, __m256i& b) {
+  if constexpr (Bits == 8) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 32));
+    const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+    a = _mm256_sub_epi8(_mm256_and_si256(v, low), eight);
+    b = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), eight);
+  }
+}
+
+// sums += x's quad (4 int8 at x) times w's 8 outputs by 4 inputs.
+inline __m256i dot_quad(__m256i sums, const int8_t* x, __m256i w) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof quad);
+  const __m256i xq = _mm256_set1_epi32(quad);
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int Bits, int R, int B>
 void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, const Out& o) {
-  const int64_t groups = k / kGroup, stride = k * kLanes, sstride = groups * kLanes;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = k / kGroup, stride = k * kLanes * Bits / 8, sstride = groups * kLanes;
   __m256 acc[R][B];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -78,17 +103,13 @@ void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, 
     __m256i sums[R][B];
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < B; ++j) sums[i][j] = _mm256_setzero_si256();
-    for (int64_t q = g * kGroup / 4; q < (g + 1) * kGroup / 4; ++q) {
-      __m256i w[B];
-      for (int j = 0; j < B; ++j)
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * stride + q * 32));
-      for (int i = 0; i < R; ++i) {
-        int32_t quad;
-        std::memcpy(&quad, x.q + i * k + 4 * q, sizeof quad);
-        const __m256i xq = _mm256_set1_epi32(quad), ax = _mm256_abs_epi8(xq);
-        for (int j = 0; j < B; ++j) {
-          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[j], xq));
-          sums[i][j] = _mm256_add_epi32(sums[i][j], _mm256_madd_epi16(pairs, ones));
+    for (int64_t oc = g * kGroup / 8; oc < (g + 1) * kGroup / 8; ++oc) {
+      for (int j = 0; j < B; ++j) {
+        __m256i a, b;
+        load_octet<Bits>(wq + j * stride, oc, a, b);
+        for (int i = 0; i < R; ++i) {
+          sums[i][j] = dot_quad(sums[i][j], x.q + i * k + 8 * oc, a);
+          sums[i][j] = dot_quad(sums[i][j], x.q + i * k + 8 * oc + 4, b);
         }
       }
     }
@@ -124,28 +145,30 @@ void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, 
 
 using Tile = void (*)(Rows, int64_t, const int8_t*, const uint16_t*, int64_t, const Out&);
 
-template <int B, int... R>
+template <int Bits, int B, int... R>
 Tile pick(int rows, std::integer_sequence<int, R...>) {
   Tile t = nullptr;
-  ((t = rows == R + 1 ? tile<R + 1, B> : t), ...);
+  ((t = rows == R + 1 ? tile<Bits, R + 1, B> : t), ...);
   return t;
 }
 
+template <int Bits>
 Tile tile_for(int rows, int blocks) {
   constexpr auto r = std::make_integer_sequence<int, kRows>{};
-  return blocks == kBlocks ? pick<kBlocks>(rows, r) : pick<1>(rows, r);
+  return blocks == kBlocks ? pick<Bits, kBlocks>(rows, r) : pick<Bits, 1>(rows, r);
 }
 #endif
 }  // namespace
 
-// x [m, k] (bfloat16 if bf16, else float32; rows contiguous; k a multiple of 32), wq and ws
-// quad-packed from [n, k] (above), b [n] in x's type or null, y [m, n] in x's type. Returns
-// nonzero where it has no kernel (no AVX2 and F16C, or k not a multiple of 32).
-extern "C" int pdserve_int8_gemm(int bf16, const void* x, const void* wq, const void* ws,
-                                 const void* b, void* y, int64_t m, int64_t n, int64_t k,
-                                 int threads) {
+// x [m, k] (bfloat16 if bf16, else float32; rows contiguous; k a multiple of 32), wq (of
+// `bits` 8 or 4) and ws octet-packed from [n, k] (above), b [n] in x's type or null, y [m, n]
+// in x's type. Returns nonzero where it has no kernel (no AVX2 and F16C, k not a multiple of
+// 32, other bits).
+extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void* wq,
+                                  const void* ws, const void* b, void* y, int64_t m, int64_t n,
+                                  int64_t k, int threads) {
 #if defined(__AVX2__) && defined(__F16C__)
-  if (k % kGroup) return 1;
+  if (k % kGroup || (bits != 8 && bits != 4)) return 1;
   const int64_t blocks = (n + kLanes - 1) / kLanes, groups = k / kGroup;
   std::vector<int8_t> qx(m * k);
   std::vector<float> sx(m * groups);
@@ -168,16 +191,16 @@ extern "C" int pdserve_int8_gemm(int bf16, const void* x, const void* wq, const 
       for (int64_t i0 = 0; i0 < m; i0 += kRows) {
         const int rows = int(std::min<int64_t>(m - i0, kRows));
         const Out o{b, static_cast<char*>(y) + i0 * n * esize, n, bool(bf16)};
-        tile_for(rows, count)(Rows{&qx[i0 * k], &sx[i0 * groups]}, k,
-                              Q + first * k * kLanes, S + first * groups * kLanes,
-                              first * kLanes, o);
+        (bits == 8 ? tile_for<8> : tile_for<4>)(rows, count)(
+            Rows{&qx[i0 * k], &sx[i0 * groups]}, k, Q + first * k * kLanes * bits / 8,
+            S + first * groups * kLanes, first * kLanes, o);
       }
     }
   }
   return 0;
 #else
-  (void)bf16, (void)x, (void)wq, (void)ws, (void)b, (void)y, (void)m, (void)n, (void)k,
-      (void)threads;
+  (void)bits, (void)bf16, (void)x, (void)wq, (void)ws, (void)b, (void)y, (void)m, (void)n,
+      (void)k, (void)threads;
   return 1;
 #endif
 }

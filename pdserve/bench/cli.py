@@ -10,6 +10,7 @@ BENCHMARKS = {
     "multiturn": "multi-turn chat: TTFT and prompt tokens computed per turn, three layouts",
     "offline": "engine throughput vs HF transformers (nano-vllm style)",
     "peer": "pdserve vs vLLM-CPU in one run: long prefills, 64 at once, serving",
+    "perplexity": "perplexity over a real text, as llama-perplexity measures it",
     "serve": "online serving load (vllm bench serve style) against an OpenAI API",
     "structured": "the sampler's step with N grammar-constrained rows vs N free ones",
     "transfer": "KV pull rate over NIXL vs memcpy",

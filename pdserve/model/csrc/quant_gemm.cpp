@@ -43,14 +43,28 @@ uint16_t float_to_bf16(float f) {  // to nearest even, NaN kept quiet (as torch 
 }
 
 // A row of x quantized in groups of 32 into q, their scales into s: the steps of
-// quant.quantize_groups, amax / 127 and x * (127 / amax) rounded to nearest even.
+// quant.quantize_groups, amax / 127 and x * (127 / amax) rounded to nearest even (adding and
+// taking away 1.5 * 2^23 rounds a float within +-2^22 so, as nearbyint does, in registers;
+// the product rounded first, as torch's is: no fused multiply-add).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* s) {
+__attribute__((optimize("fp-contract=off"))) void quantize_row(const T* x, int64_t k, int8_t* q, float* s) {
+  using pdserve::f32x16;
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  typedef int8_t i8x16 __attribute__((vector_size(16)));
+  const f32x16 magic = f32x16{} + 12582912.f;
   for (int64_t g = 0; g < k; g += kGroup) {
+    const f32x16 lo = pdserve::load(x + g), hi = pdserve::load(x + g + 16);
+    const f32x16 alo = lo < 0 ? -lo : lo, ahi = hi < 0 ? -hi : hi;
+    const f32x16 a = alo > ahi ? alo : ahi;
     float amax = 0.f;
-    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(to_float(x[g + j])));
+    for (int j = 0; j < 16; ++j) amax = std::max(amax, a[j]);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int j = 0; j < kGroup; ++j) q[g + j] = int8_t(std::nearbyint(to_float(x[g + j]) * inv));
+    const i8x16 qlo = __builtin_convertvector(
+        __builtin_convertvector((lo * inv + magic) - magic, i32x16), i8x16);
+    const i8x16 qhi = __builtin_convertvector(
+        __builtin_convertvector((hi * inv + magic) - magic, i32x16), i8x16);
+    std::memcpy(q + g, &qlo, 16);
+    std::memcpy(q + g + 16, &qhi, 16);
     s[g / kGroup] = amax / 127.f;
   }
 }

@@ -5,9 +5,7 @@ ranks and the KV connector. The one module that knows both the engine and the co
 from __future__ import annotations
 
 import functools
-import logging
 import os
-from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -36,7 +34,6 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.platforms import get_platform
 
 DEFAULT_SIDE_CHANNEL = ("127.0.0.1", 5600)
-log = logging.getLogger("pdserve.engine")
 
 
 def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
@@ -62,7 +59,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
                           "original_max_position_embeddings) transformers computes a sequence "
                           "again with LongRoPE's long factors, which pdserve does not "
                           f"implement; serve it with --max-model-len {limit} or less")
-    tokenizer = Tokenizer.from_folder(_tokenizer_folder(config, folder),
+    tokenizer = Tokenizer.from_folder(loader.tokenizer_folder(folder),
                                       list(model_config.eos_token_ids))
     dtype = loader.TORCH_DTYPES[config.dtype]
     try:
@@ -93,15 +90,6 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
                          _graphs(config, model, cache))
     return LLMEngine(config, runner, tokenizer, connector, registry, engine_id, dp_rank,
                      on_close=group.stop if group else None)
-
-
-def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
-    """The model's own tokenizer; a dummy config without one takes the embedded model's
-    (benchmarks/models: shapes of other models with SmolLM2's vocabulary)."""
-    if config.load_format == "dummy" and not (folder / "tokenizer.json").exists():
-        log.info("%s has no tokenizer: using the embedded model's", folder)
-        return loader.resolve(None)
-    return folder
 
 
 def _graphs(config: EngineConfig, model: LlamaModel, cache: KVCache) -> DecodeGraphs | None:

@@ -191,10 +191,11 @@ class PromptTokens:
     works in front of any OpenAI server (vLLM's /tokenize is not everywhere)."""
 
     def __init__(self, model: str | None) -> None:
-        from pdserve.model.loader import resolve  # imports torch: only when asked for
+        from pdserve.model.loader import resolve, tokenizer_folder  # imports torch
         from pdserve.model.tokenizer import Tokenizer
 
-        self.tokenizer = Tokenizer.from_folder(resolve(model), [])  # counting needs no eos
+        # counting needs no eos
+        self.tokenizer = Tokenizer.from_folder(tokenizer_folder(resolve(model)), [])
 
     def __call__(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """None where the body is not a valid request: the backend will say why."""

@@ -217,7 +217,7 @@ def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
 
     folder = loader.resolve(cfg.model)  # converts a GGUF once, before the ranks start
     model = ModelConfig.from_folder(folder)
-    tokenizer = Tokenizer.from_folder(folder, list(model.eos_token_ids))
+    tokenizer = Tokenizer.from_folder(loader.tokenizer_folder(folder), list(model.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores
         cfg.num_threads = max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size
                               // cfg.tensor_parallel_size)

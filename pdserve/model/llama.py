@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,7 +229,7 @@ class LlamaModel:
     gate/up are split by output rows (heads), o and down by input columns, and `all_reduce`
     sums the partial o/down outputs across ranks. Embeddings and lm_head are replicated."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device | str = "cpu",
                  max_len: int = 4096, tp_rank: int = 0,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -238,8 +238,10 @@ class LlamaModel:
         self.dtype = dtype
         weights = _unfused(weights, config)
         self.all_reduce = all_reduce or (lambda t: t)
+        shapes = weights.shapes.values() if isinstance(weights, loader.DummyWeights) else \
+            (t.shape for t in weights.values())  # dummy weights: not made just to be counted
         self.gemm = gemm = Gemm.for_model(dtype, device, sum(
-            t.numel() for t in weights.values()) * dtype.itemsize, quantization)
+            s.numel() for s in shapes) * dtype.itemsize, quantization)
         self.ops = Elementwise.for_model(dtype, device)
         self.paged = PagedAttention.for_model(config.num_heads, config.num_kv_heads,
                                               config.head_dim, dtype, device)
@@ -490,12 +492,17 @@ _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "
                 ("language_model.lm_head.", "lm_head."))
 
 
-def _unfused(weights: dict[str, torch.Tensor], config: ModelConfig
-             ) -> dict[str, torch.Tensor]:
+def _unfused(weights: Mapping[str, torch.Tensor], config: ModelConfig
+             ) -> Mapping[str, torch.Tensor]:
     """Weights under one set of names. Phi-3 stores q/k/v as one qkv_proj and gate/up as
     one gate_up_proj: split into Llama's names, so that tensor parallelism slices each part
     (the fused tensors hold every rank's heads). Mixtral's experts are renamed, and a
-    multimodal Gemma 3's language model (its vision tower is left unread)."""
+    multimodal Gemma 3's language model (its vision tower is left unread). Weights already
+    so named are returned as they are (dummy weights are made as they are read)."""
+    renamed = tuple(old for old, _ in _LM_PREFIXES)
+    if not any(n.startswith(renamed) or ".block_sparse_moe." in n or
+               n.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for n in weights):
+        return weights
     out = {}
     for name, t in weights.items():
         for old, new in _LM_PREFIXES:

@@ -8,6 +8,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -133,10 +135,33 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def dummy_state_dict(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of the shapes transformers gives the model of folder's config.json
-    (`--load-format dummy`): norms 1, biases 0, the rest normal with std 0.02 (HF's init).
-    Seeded, so that every instance and rank of one config holds the same weights."""
+class DummyWeights(Mapping[str, torch.Tensor]):
+    """Random weights of the given shapes, each made when it is read (an 8B model's float32
+    weights would not fit in RAM at once): norms 1, biases 0, the rest normal with std 0.02
+    (HF's init), seeded by name, so that every instance and rank holds the same ones."""
+
+    def __init__(self, shapes: dict[str, torch.Size], seed: int) -> None:
+        self.shapes, self.seed = shapes, seed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if "norm" in name:
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ self.seed)
+        return torch.empty(shape).normal_(0, 0.02, generator=gen)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def dummy_state_dict(folder: Path, seed: int = 0) -> DummyWeights:
+    """Random weights (DummyWeights) of the shapes transformers gives the model of folder's
+    config.json (`--load-format dummy`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -147,13 +172,4 @@ def dummy_state_dict(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
                       AutoModelForCausalLM.from_config(config).state_dict().items()}
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot make dummy weights for {folder}: {e}") from None
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in shapes.items():
-        if "norm" in name:
-            weights[name] = torch.ones(shape)
-        elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape)
-        else:
-            weights[name] = torch.empty(shape).normal_(0, 0.02, generator=gen)
-    return weights
+    return DummyWeights(shapes, seed)

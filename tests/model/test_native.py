@@ -29,9 +29,15 @@ def test_an_unwritable_cache_turns_the_kernels_off_not_the_server(monkeypatch, t
     assert "CPU kernels are off" in caplog.text
 
 
-def test_a_failing_compiler_turns_the_kernels_off(monkeypatch, tmp_path, caplog):
+def test_a_failing_compiler_turns_the_kernels_off_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", "false")  # runs, exits 1
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert native._build() is None
     assert "building pdserve's CPU kernels failed" in caplog.text
-    assert not list((tmp_path / "kernels").iterdir())  # no half-built library left
+    left = list((tmp_path / "kernels").iterdir())  # no half-built library: the failure noted
+    assert [p.suffix for p in left] == [".failed"]
+    # The next process does not spend a compile on the same sources: it reads the note.
+    caplog.clear()
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: 1 / 0)
+    assert native._build() is None
+    assert "did not build for this CPU and compiler" in caplog.text

@@ -13,10 +13,9 @@
 // sums are exact and the float sums run over the groups in order, the same in any batch.
 //
 // With AVX2 one 32-byte vector of quants serves 8 outputs times 4 inputs: the row's quad is
-// broadcast, and vpmaddubsw multiplies |x| (unsigned) by w carrying x's sign (vpsignb), then
-// vpmaddwd sums the pairs into 32-bit lanes. With both sides within +-127 a pair's sum stays
-// under 2^15, so the 16-bit step never saturates. A tile is up to 2 rows by 2 blocks; each
-// thread takes an equal run of blocks. Without AVX2 (and F16C) the function returns nonzero
+// broadcast, vpmaddubsw multiplies unsigned by signed bytes and adds pairs in 16 bits, and
+// vpmaddwd sums those into 32-bit lanes; no step saturates (group_sums says why, for each
+// width). A tile is up to 2 rows by 2 blocks; each thread takes an equal run of blocks. Without AVX2 (and F16C) the function returns nonzero
 // and the caller computes the same numbers in torch (quant.reference).
 #include <algorithm>
 #include <cmath>
@@ -42,12 +41,14 @@ uint16_t float_to_bf16(float f) {  // to nearest even, NaN kept quiet (as torch 
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// A row of x quantized in groups of 32 into q, their scales into s: the steps of
+// A row of x quantized in groups of 32 into q, their scales into s and the sums of their
+// quants into t (int4 products need them, below): the steps of
 // quant.quantize_groups, amax / 127 and x * (127 / amax) rounded to nearest even (adding and
 // taking away 1.5 * 2^23 rounds a float within +-2^22 so, as nearbyint does, in registers;
 // the product rounded first, as torch's is: no fused multiply-add).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void quantize_row(const T* x, int64_t k, int8_t* q, float* s) {
+__attribute__((optimize("fp-contract=off"))) void quantize_row(const T* x, int64_t k, int8_t* q,
+                                                                float* s, int32_t* t) {
   using pdserve::f32x16;
   typedef int32_t i32x16 __attribute__((vector_size(64)));
   typedef int8_t i8x16 __attribute__((vector_size(16)));
@@ -59,13 +60,15 @@ __attribute__((optimize("fp-contract=off"))) void quantize_row(const T* x, int64
     float amax = 0.f;
     for (int j = 0; j < 16; ++j) amax = std::max(amax, a[j]);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    const i8x16 qlo = __builtin_convertvector(
-        __builtin_convertvector((lo * inv + magic) - magic, i32x16), i8x16);
-    const i8x16 qhi = __builtin_convertvector(
-        __builtin_convertvector((hi * inv + magic) - magic, i32x16), i8x16);
+    const i32x16 ilo = __builtin_convertvector((lo * inv + magic) - magic, i32x16);
+    const i32x16 ihi = __builtin_convertvector((hi * inv + magic) - magic, i32x16);
+    const i8x16 qlo = __builtin_convertvector(ilo, i8x16), qhi = __builtin_convertvector(ihi, i8x16);
     std::memcpy(q + g, &qlo, 16);
     std::memcpy(q + g + 16, &qhi, 16);
     s[g / kGroup] = amax / 127.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += ilo[j] + ihi[j];
+    t[g / kGroup] = sum;
   }
 }
 
@@ -74,8 +77,15 @@ constexpr int kRows = 2, kBlocks = 2, kLanes = 8;  // 16 ymm registers: 2 x 2 su
 
 struct Rows {  // a tile's rows of x, quantized
   const int8_t* q;
-  const float* s;  // [rows][k / 32]
+  const float* s;    // [rows][k / 32]
+  const int32_t* t;  // [rows][k / 32]: each group's sum of quants
 };
+
+inline int32_t load_quad(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof quad);
+  return quad;
+}
 
 struct Out {  // where a tile's sums go
   const void* b;  // bias [n] in y's type, or null
@@ -84,27 +94,56 @@ struct Out {  // where a tile's sums go
   bool bf16;
 };
 
-// Block j's quants for inputs 8o .. 8o+3 (a) and 8o+4 .. 8o+7 (b), as int8.
-template <int Bits>
-inline void load_octet(const int8_t* w, int64_t o, __m256i& a, __m256i& b) {
-  if constexpr (Bits == 8) {
-    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
-    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
-  } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 32));
-    const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
-    a = _mm256_sub_epi8(_mm256_and_si256(v, low), eight);
-    b = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), eight);
-  }
-}
-
-// sums += x's quad (4 int8 at x) times w's 8 outputs by 4 inputs.
+// sums += x's quad (4 int8 at x) times w's 8 outputs by 4 int8 inputs: |x| times w carrying
+// x's sign, so that vpmaddubsw's unsigned side is x's.
 inline __m256i dot_quad(__m256i sums, const int8_t* x, __m256i w) {
-  int32_t quad;
-  std::memcpy(&quad, x, sizeof quad);
-  const __m256i xq = _mm256_set1_epi32(quad);
+  const __m256i xq = _mm256_set1_epi32(load_quad(x));
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
   return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// The integer sums of a group of 32 inputs for R rows by B blocks of 8 outputs.
+// int8: quads of quants signed, 32-bit sums per quad. int4: the quants' unsigned nibbles
+// (q + 8, 0..15) are vpmaddubsw's unsigned side and x its signed one, so no sign trick is
+// needed; a pair's sum is within 2 * 15 * 127, so the group's 8 quads add up in 16 bits
+// (within 30,480), and sum (q - 8) x = sum (q + 8 - 8) x comes out as that minus 8 sum x.
+template <int Bits, int R, int B>
+inline void group_sums(const Rows& x, int64_t k, const int8_t* wq, int64_t stride, int64_t g,
+                       __m256i (&sums)[R][B]) {
+  if constexpr (Bits == 8) {
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < B; ++j) sums[i][j] = _mm256_setzero_si256();
+    for (int64_t q = g * kGroup / 4; q < (g + 1) * kGroup / 4; ++q)
+      for (int j = 0; j < B; ++j) {
+        const __m256i w = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wq + j * stride + q * 32));
+        for (int i = 0; i < R; ++i) sums[i][j] = dot_quad(sums[i][j], x.q + i * k + 4 * q, w);
+      }
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i pairs[R][B];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < B; ++j) pairs[i][j] = _mm256_setzero_si256();
+    for (int64_t o = g * kGroup / 8; o < (g + 1) * kGroup / 8; ++o)
+      for (int j = 0; j < B; ++j) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wq + j * stride + o * 32));
+        const __m256i a = _mm256_and_si256(v, low);
+        const __m256i b = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xo = x.q + i * k + 8 * o;
+          pairs[i][j] = _mm256_add_epi16(pairs[i][j], _mm256_add_epi16(
+              _mm256_maddubs_epi16(a, _mm256_set1_epi32(load_quad(xo))),
+              _mm256_maddubs_epi16(b, _mm256_set1_epi32(load_quad(xo + 4)))));
+        }
+      }
+    for (int i = 0; i < R; ++i) {
+      const __m256i offset = _mm256_set1_epi32(8 * x.t[i * (k / kGroup) + g]);
+      for (int j = 0; j < B; ++j)
+        sums[i][j] = _mm256_sub_epi32(_mm256_madd_epi16(pairs[i][j], _mm256_set1_epi16(1)),
+                                      offset);
+    }
+  }
 }
 
 template <int Bits, int R, int B>
@@ -115,18 +154,7 @@ void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, 
     for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i sums[R][B];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < B; ++j) sums[i][j] = _mm256_setzero_si256();
-    for (int64_t oc = g * kGroup / 8; oc < (g + 1) * kGroup / 8; ++oc) {
-      for (int j = 0; j < B; ++j) {
-        __m256i a, b;
-        load_octet<Bits>(wq + j * stride, oc, a, b);
-        for (int i = 0; i < R; ++i) {
-          sums[i][j] = dot_quad(sums[i][j], x.q + i * k + 8 * oc, a);
-          sums[i][j] = dot_quad(sums[i][j], x.q + i * k + 8 * oc + 4, b);
-        }
-      }
-    }
+    group_sums<Bits>(x, k, wq, stride, g, sums);
     for (int j = 0; j < B; ++j) {
       const __m256 sw = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + j * sstride + g * kLanes)));
@@ -186,12 +214,15 @@ extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void*
   const int64_t blocks = (n + kLanes - 1) / kLanes, groups = k / kGroup;
   std::vector<int8_t> qx(m * k);
   std::vector<float> sx(m * groups);
+  std::vector<int32_t> tx(m * groups);
 #pragma omp parallel for num_threads(threads)
   for (int64_t i = 0; i < m; ++i) {
     if (bf16)
-      quantize_row(static_cast<const uint16_t*>(x) + i * k, k, &qx[i * k], &sx[i * groups]);
+      quantize_row(static_cast<const uint16_t*>(x) + i * k, k, &qx[i * k], &sx[i * groups],
+                   &tx[i * groups]);
     else
-      quantize_row(static_cast<const float*>(x) + i * k, k, &qx[i * k], &sx[i * groups]);
+      quantize_row(static_cast<const float*>(x) + i * k, k, &qx[i * k], &sx[i * groups],
+                   &tx[i * groups]);
   }
   const auto* Q = static_cast<const int8_t*>(wq);
   const auto* S = static_cast<const uint16_t*>(ws);
@@ -206,7 +237,7 @@ extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void*
         const int rows = int(std::min<int64_t>(m - i0, kRows));
         const Out o{b, static_cast<char*>(y) + i0 * n * esize, n, bool(bf16)};
         (bits == 8 ? tile_for<8> : tile_for<4>)(rows, count)(
-            Rows{&qx[i0 * k], &sx[i0 * groups]}, k, Q + first * k * kLanes * bits / 8,
+            Rows{&qx[i0 * k], &sx[i0 * groups], &tx[i0 * groups]}, k, Q + first * k * kLanes * bits / 8,
             S + first * groups * kLanes, first * kLanes, o);
       }
     }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import QUANTIZATIONS, EngineConfig
 from pdserve.engine import build
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
@@ -51,7 +51,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of --model's config (benchmarks/models); "
                         "implies --skip-hf")

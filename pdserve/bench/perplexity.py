@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.config import EngineConfig
+from pdserve.config import QUANTIZATIONS, EngineConfig
 from pdserve.engine import build
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.model.loader import model_name
@@ -39,7 +39,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--text", type=Path, default=None,
                    help="a UTF-8 text file (default: Newton's Opticks, see above)")
     p.add_argument("--tokens", type=int, default=24576,

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from pdserve.config import ConfigError, EngineConfig, KVTransferConfig
+from pdserve.config import QUANTIZATIONS, ConfigError, EngineConfig, KVTransferConfig
 from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 
 log = logging.getLogger("pdserve.serve")
@@ -58,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every decode step's kernels from Python: no CUDA graphs "
                         "(CPUs run eagerly anyway)")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                    help="every weight quantized at load, in groups of 32 (GGUF's Q8_0 or "
                         "Q4_0), and multiplied quantized against rows of x quantized on "
                         "the fly (CPU)")

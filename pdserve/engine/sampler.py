@@ -211,6 +211,9 @@ def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float],
     probs = (values - norm).exp()
     nucleus = ps < 1  # top_p 1 keeps all: no rounding of the sum may cut the tail
     drop |= nucleus & ((probs.cumsum(-1) - probs) >= ps)
+    # The likeliest token always stays: a top_p below float32's range (1e-300) is 0 here,
+    # and the nucleus would keep nothing (a NaN distribution: a token past the vocabulary).
+    drop[:, 0] = False
     out = torch.full_like(logits, float("-inf")).scatter_(1, order,
                                                           values.masked_fill(drop, float("-inf")))
     whole = (~limited & ~nucleus).squeeze(1)  # rows truncated by neither: all of the row

@@ -81,8 +81,10 @@ def test_greedy_on_the_device_agrees_with_the_kernel():
     assert logprobs[3:].isnan().all()
 
 
-@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}],
-                         ids=["top_k=1", "top_p=1e-6"])
+# top_p 1e-300 is 0 in float32: the nucleus keeps the likeliest token still (it once kept
+# none, and sampled a token past the vocabulary).
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"top_p": 1e-300}],
+                         ids=["top_k=1", "top_p=1e-6", "top_p=1e-300"])
 def test_truncation_to_one_token_is_greedy(params):
     logits = _logits(32)
     tokens, *_ = Sampler(seed=7).sample(logits.clone(), _reqs(32, temperature=1.5, **params))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import QUANTIZATIONS, EngineConfig
+from pdserve.config import LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 from pdserve.engine import build
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
@@ -52,7 +52,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of --model's config (benchmarks/models); "
                         "implies --skip-hf")
     p.add_argument("--seed", type=int, default=0)

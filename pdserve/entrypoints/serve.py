@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from pdserve.config import QUANTIZATIONS, ConfigError, EngineConfig, KVTransferConfig
+from pdserve.config import LOAD_FORMATS, QUANTIZATIONS, ConfigError, EngineConfig, KVTransferConfig
 from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 
 log = logging.getLogger("pdserve.serve")
@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="every weight quantized at load, in groups of 32 (GGUF's Q8_0 or "
                         "Q4_0), and multiplied quantized against rows of x quantized on "
                         "the fly (CPU)")
-    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+    p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
                    help="dummy: random weights of the shape config.json gives (a folder "
                         "with config.json and a tokenizer): for benchmarks")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

@@ -13,7 +13,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("NixlConnector",)
 KV_LAYOUTS = ("NHD", "HND")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -38,7 +38,9 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
-    quantization: str | None = None  # int8, int4: weights quantized at load (model/quant.py)
+    # int8, int4: weights quantized at load (model/quant.py); gguf: a GGUF file's weights
+    # computed as stored (model/gguf_weights.py)
+    quantization: str | None = None
     load_format: str = "auto"  # dummy: random weights of the config's shape (benchmarks)
 
     def validate(self) -> None:
@@ -61,6 +63,10 @@ class EngineConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                                   f"got {self.quantization!r}")
+            if self.quantization == "gguf" and self.load_format == "dummy":
+                raise ConfigError("--quantization gguf computes a GGUF file's weights as "
+                                  "stored; --load-format dummy makes random ones (quantize "
+                                  "those with --quantization int8 or int4)")
             if self.device not in ("auto", "cpu") or self.dtype == "float16":
                 raise ConfigError(f"--quantization {self.quantization} runs on CPU with "
                                   f"--dtype float32 or bfloat16, not --device {self.device} "

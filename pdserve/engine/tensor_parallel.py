@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
@@ -31,8 +31,10 @@ import torch.distributed as dist
 from pdserve.config import ConfigError, EngineConfig
 from pdserve.engine.heap import freeze_heap
 from pdserve.model import loader
+from pdserve.model.gguf_weights import GGUFWeights
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.llama import Batch, Chunk, LlamaModel, ModelConfig
+from pdserve.model.quant import Table
 from pdserve.platforms import get_platform
 from pdserve.platforms.base import Platform
 
@@ -70,13 +72,24 @@ def load_model(config: EngineConfig, folder: Path, local: ModelConfig, dtype: to
                device: torch.device, tp_rank: int = 0) -> LlamaModel:
     """This rank's shard of the weights (all of them without tensor parallelism)."""
     try:
-        weights = loader.dummy_state_dict(folder) if config.load_format == "dummy" else \
-            loader.load_state_dict(folder)
+        weights = _weights(config, folder)
         return LlamaModel(local, weights, dtype, device, max(config.max_model_len, 1), tp_rank,
                           all_reduce if config.tensor_parallel_size > 1 else None,
                           config.quantization)
     except ValueError as e:
         raise loader.ModelLoadError(f"{folder}: {e}") from None
+
+
+def _weights(config: EngineConfig, folder: Path) -> Mapping[str, torch.Tensor | Table]:
+    if config.load_format == "dummy":
+        return loader.dummy_state_dict(folder)
+    if config.quantization != "gguf":
+        return loader.load_state_dict(folder)
+    if (file := loader.gguf_file(config.model)) is None:
+        raise loader.ModelLoadError(f"--quantization gguf serves a .gguf file as it is stored; "
+                                    f"{config.model} is an HF folder (--quantization int8 or "
+                                    "int4 quantizes one at load)")
+    return GGUFWeights(file, folder)
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,11 @@ class Gemm:
         return cls(prepacked, native.library() if prepacked and spare else None,
                    PAIR_ROWS if has_amx() else GATED_ROWS)
 
-    def weight(self, w: torch.Tensor, gated: bool = False) -> Linear:
-        """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul."""
+    def weight(self, w: torch.Tensor | quant.Table, gated: bool = False) -> Linear:
+        """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul. A Table
+        (weights stored quantized) is computed as it is stored."""
+        if isinstance(w, quant.Table):
+            return w.packed()
         if self.bits:
             return quant.quantize(w, self.bits)
         if not self.prepacked:

@@ -25,7 +25,7 @@ from pdserve.model.kv_cache import KVCache, KVShape
 from pdserve.model.linear import PAIR_ROWS, Gemm, Linear, Weight
 from pdserve.model.moe import Experts
 from pdserve.model.paged_attention import PagedAttention
-from pdserve.model.quant import QuantWeight
+from pdserve.model.quant import QuantWeight, Table
 
 # HF model_type values
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral",
@@ -250,7 +250,7 @@ class LlamaModel:
                  "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
                  "up": config.intermediate_size, "down": config.intermediate_size}
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> torch.Tensor | Table:
             if name not in weights:
                 raise ValueError(f"weights are missing tensor {name!r}")
             t = weights[name]
@@ -260,14 +260,15 @@ class LlamaModel:
             part = stem.removesuffix("_proj") if stem.endswith("_proj") else None
             if part in sizes:  # this rank's rows (column-parallel) or columns (row-parallel)
                 n = config.expert_size if ".experts." in name else sizes[part]
-                t = t.narrow(1 if part in ("o", "down") and t.dim() == 2 else 0, tp_rank * n, n)
-            return t.to(device=device, dtype=dtype).contiguous()
+                t = t.narrow(1 if part in ("o", "down") and len(t.shape) == 2 else 0,
+                             tp_rank * n, n)
+            return t if isinstance(t, Table) else t.to(device=device, dtype=dtype).contiguous()
 
         silu = config.activation == "silu"
 
         def mlp(prefix: str) -> Linear:  # gate and up, as one GEMM
-            return gemm.weight(torch.cat([w(f"{prefix}.gate_proj.weight"),
-                                          w(f"{prefix}.up_proj.weight")]), gated=silu)
+            return gemm.weight(_cat([w(f"{prefix}.gate_proj.weight"),
+                                      w(f"{prefix}.up_proj.weight")]), gated=silu)
 
         def experts(i: int) -> Experts | None:
             if i not in config.moe_layers:
@@ -287,7 +288,7 @@ class LlamaModel:
         # Fused projections: one GEMM for q/k/v and one for gate/up.
         self.layers = [Layer(
             ln1=w(f"{p}{i}.input_layernorm.weight"),
-            qkv=gemm.weight(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"])),
+            qkv=gemm.weight(_cat([w(f"{p}{i}.self_attn.{x}_proj.weight") for x in "qkv"])),
             qkv_bias=(torch.cat([w(f"{p}{i}.self_attn.{x}_proj.bias") for x in "qkv"])
                       if config.qkv_bias else None),
             q_norm=w(f"{p}{i}.self_attn.q_norm.weight") if config.qk_norm else None,
@@ -304,9 +305,9 @@ class LlamaModel:
         ) for i in range(config.num_layers)]
         # Quantized, the embedding is quantized as the lm_head is (rows of groups), one
         # copy of it where the two are tied.
-        self.embed: torch.Tensor | QuantWeight = w("model.embed_tokens.weight")
-        if gemm.bits:
-            self.embed = quant.quantize(self.embed, gemm.bits)
+        embed = w("model.embed_tokens.weight")
+        self.embed: torch.Tensor | QuantWeight = gemm.weight(embed) if isinstance(
+            embed, Table) else quant.quantize(embed, gemm.bits) if gemm.bits else embed
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if gemm.bits and config.tie_word_embeddings else \
             gemm.weight(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
@@ -432,6 +433,18 @@ class LlamaModel:
                 kc, vc = (x[0] for x in cache.gather(layer, ch.table))
             out[ch.start:ch.end] = attention.chunk(q[ch.start:ch.end], kc, vc, ch.pos, scores)
         return out.flatten(1)
+
+
+def _cat(parts: list[torch.Tensor | Table]) -> torch.Tensor | Table:
+    """Weights joined into one product's (q/k/v, gate/up). Stored in different formats (a
+    Q4_K_M file's v in Q6_K beside q and k in Q4_K), they are joined dequantized, and the
+    model quantizes the product to Q8_0."""
+    if all(isinstance(t, torch.Tensor) for t in parts):
+        return torch.cat(parts)
+    if all(isinstance(t, Table) for t in parts) and \
+            len({(t.bits, t.mins is None) for t in parts}) == 1:
+        return Table.cat(parts)
+    return torch.cat([t.dequantized() if isinstance(t, Table) else t.float() for t in parts])
 
 
 def _no_checkpoint() -> None:

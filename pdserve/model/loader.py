@@ -48,18 +48,25 @@ def model_name(model: str | None) -> str:
     return Path(model).name.removesuffix(".gguf")
 
 
-def resolve(model: str | None) -> Path:
-    """Return an HF folder (config.json + safetensors + tokenizer) for `model`."""
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `model` names (a file, or a folder holding one and no config.json; the
+    embedded model's for None), or None for an HF folder."""
     path = embedded_gguf() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is neither a folder nor a .gguf file")
-        return _converted(path)
+        return path
     ggufs = sorted(path.glob("*.gguf"))
-    if not (path / "config.json").exists() and len(ggufs) == 1:
-        return _converted(ggufs[0])
+    return ggufs[0] if not (path / "config.json").exists() and len(ggufs) == 1 else None
+
+
+def resolve(model: str | None) -> Path:
+    """Return an HF folder (config.json + safetensors + tokenizer) for `model`."""
+    if (gguf := gguf_file(model)) is not None:
+        return _converted(gguf)
+    path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json (an HF folder: config.json, "
                              "*.safetensors weights, a tokenizer)")

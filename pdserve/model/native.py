@@ -35,7 +35,7 @@ SIGNATURES = {  # name: (result, arguments), as declared in csrc/*.cpp
     "pdserve_rope_store": (None, [_INT, *[_PTR] * 3, *[_I64] * 5, *[_PTR] * 3, *[_I64] * 4,
                                   _INT]),
     "pdserve_decode_layers": (_INT, [_PTR, _PTR, _I64, _I64]),
-    "pdserve_quant_gemm": (_INT, [_INT, _INT, *[_PTR] * 5, *[_I64] * 3, _INT]),
+    "pdserve_quant_gemm": (_INT, [_INT, _INT, *[_PTR] * 6, *[_I64] * 3, _INT]),
 }
 
 

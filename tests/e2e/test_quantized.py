@@ -1,6 +1,7 @@
 """Quantized weights served for real: P/D over NIXL token for token equal to the same weights
-served monolithically, prompts prefilled in several chunks included. int4 (Q4_0) here; int8
-(Q8_0) runs the same kernel with another unpacking (tests/model/test_quant.py)."""
+served monolithically, prompts prefilled in several chunks included. int4 (Q4_0, quantized at
+load) and the embedded GGUF file as stored (Q4_1 with its mins, a Q8_0 embedding and
+lm_head); int8 (Q8_0) runs the same kernel with another unpacking (tests/model/test_quant.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from tests.utils import PASSAGE, metric
 PROMPTS = ["The capital of France is", PASSAGE[:300], PASSAGE * 2]  # the last: 2 chunks of 512
 
 
-@pytest.fixture(scope="module")
-def pair():
+@pytest.fixture(scope="module", params=["int4", "gguf"])
+def pair(request):
     # kv_both: the prefill serves plain requests too, as a monolith with the same weights.
-    prefill = serve(kv_config(), "--quantization", "int4", "--max-model-len", "1024")
-    decode = serve(kv_config(), "--quantization", "int4", "--max-model-len", "1024")
+    prefill = serve(kv_config(), "--quantization", request.param, "--max-model-len", "1024")
+    decode = serve(kv_config(), "--quantization", request.param, "--max-model-len", "1024")
     yield prefill, decode
     stop(prefill, decode)
 
@@ -27,7 +28,7 @@ def _body(prompt: str) -> dict:
             "logprobs": 1}
 
 
-def test_pd_equals_monolithic_with_int4_weights(pair):
+def test_pd_equals_monolithic_with_quantized_weights(pair):
     prefill, decode = pair
     pulled = metric(decode.url, "pdserve_kv_transfers_total")
     for prompt in PROMPTS:

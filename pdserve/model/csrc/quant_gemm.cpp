@@ -1,6 +1,8 @@
 // Products with int8 or int4 weights, computed in integers: y = sum over groups g of 32
 // inputs of (qx_g qw_g^T) * (sx_g * sw_g), plus b. GGUF's Q8_0 and Q4_0 weights against Q8_0
-// rows of x, as llama.cpp multiplies them.
+// rows of x, as llama.cpp multiplies them. int4 weights may carry a min per group as well
+// (GGUF's Q4_1, and Q4_K's sub-blocks): w = q * sw + mw with q within 0..15, and then
+// y = sum over g of ((qx_g q_g^T) * sw_g + (sum qx_g) * mw_g) * sx_g.
 //
 // The weight w [n, k] comes in groups of 32 inputs, each with a quant per weight (int8 within
 // +-127, or int4 within -8..7) and a float16 scale per output. Quants are "octet-packed": for
@@ -8,7 +10,7 @@
 // outputs' quants of 8o .. 8o+3 side by side, 4 each, then those of 8o+4 .. 8o+7) or 32
 // (int4: byte 4j + i holds output j's quant of 8o+i in its low half and of 8o+4+i in its high
 // half, each plus 8), [ceil(n/8)][k/8][64 or 32] bytes (k a multiple of 32; zeros pad n).
-// Scales are [ceil(n/8)][k/32][8]. Each row of x is quantized as it comes, in groups of 32
+// Scales (and mins) are [ceil(n/8)][k/32][8]. Each row of x is quantized as it comes, in groups of 32
 // (sx = max|x| / 127), so a row's result does not depend on the rows beside it: the integer
 // sums are exact and the float sums run over the groups in order, the same in any batch.
 //
@@ -106,8 +108,9 @@ inline __m256i dot_quad(__m256i sums, const int8_t* x, __m256i w) {
 // int8: quads of quants signed, 32-bit sums per quad. int4: the quants' unsigned nibbles
 // (q + 8, 0..15) are vpmaddubsw's unsigned side and x its signed one, so no sign trick is
 // needed; a pair's sum is within 2 * 15 * 127, so the group's 8 quads add up in 16 bits
-// (within 30,480), and sum (q - 8) x = sum (q + 8 - 8) x comes out as that minus 8 sum x.
-template <int Bits, int R, int B>
+// (within 30,480), and sum (q - 8) x = sum (q + 8 - 8) x comes out as that minus 8 sum x
+// (with Mins the nibbles are the quants themselves: no offset).
+template <int Bits, bool Mins, int R, int B>
 inline void group_sums(const Rows& x, int64_t k, const int8_t* wq, int64_t stride, int64_t g,
                        __m256i (&sums)[R][B]) {
   if constexpr (Bits == 8) {
@@ -138,7 +141,7 @@ inline void group_sums(const Rows& x, int64_t k, const int8_t* wq, int64_t strid
         }
       }
     for (int i = 0; i < R; ++i) {
-      const __m256i offset = _mm256_set1_epi32(8 * x.t[i * (k / kGroup) + g]);
+      const __m256i offset = _mm256_set1_epi32(Mins ? 0 : 8 * x.t[i * (k / kGroup) + g]);
       for (int j = 0; j < B; ++j)
         sums[i][j] = _mm256_sub_epi32(_mm256_madd_epi16(pairs[i][j], _mm256_set1_epi16(1)),
                                       offset);
@@ -146,21 +149,34 @@ inline void group_sums(const Rows& x, int64_t k, const int8_t* wq, int64_t strid
   }
 }
 
-template <int Bits, int R, int B>
-void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, const Out& o) {
+inline __m256 halfs(const uint16_t* p) {  // 8 float16 as float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int Bits, bool Mins, int R, int B>
+void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, const uint16_t* wm,
+          int64_t col, const Out& o) {
   const int64_t groups = k / kGroup, stride = k * kLanes * Bits / 8, sstride = groups * kLanes;
   __m256 acc[R][B];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i sums[R][B];
-    group_sums<Bits>(x, k, wq, stride, g, sums);
+    group_sums<Bits, Mins>(x, k, wq, stride, g, sums);
     for (int j = 0; j < B; ++j) {
-      const __m256 sw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + j * sstride + g * kLanes)));
+      const __m256 sw = halfs(ws + j * sstride + g * kLanes);
       for (int i = 0; i < R; ++i) {
-        __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][j]),
-                                    _mm256_mul_ps(_mm256_set1_ps(x.s[i * groups + g]), sw));
+        const __m256 sx = _mm256_set1_ps(x.s[i * groups + g]);
+        __m256 part;
+        if constexpr (Mins) {
+          __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][j]), sw);
+          __m256 offset = _mm256_mul_ps(_mm256_set1_ps(float(x.t[i * groups + g])),
+                                        halfs(wm + j * sstride + g * kLanes));
+          asm("" : "+x"(scaled), "+x"(offset));  // each rounded, as torch's steps
+          part = _mm256_mul_ps(_mm256_add_ps(scaled, offset), sx);
+        } else {
+          part = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][j]), _mm256_mul_ps(sx, sw));
+        }
         asm("" : "+x"(part));  // rounded before the sum, as torch's steps: no fused add
         acc[i][j] = _mm256_add_ps(acc[i][j], part);
       }
@@ -185,32 +201,33 @@ void tile(Rows x, int64_t k, const int8_t* wq, const uint16_t* ws, int64_t col, 
   }
 }
 
-using Tile = void (*)(Rows, int64_t, const int8_t*, const uint16_t*, int64_t, const Out&);
+using Tile = void (*)(Rows, int64_t, const int8_t*, const uint16_t*, const uint16_t*, int64_t,
+                      const Out&);
 
-template <int Bits, int B, int... R>
+template <int Bits, bool Mins, int B, int... R>
 Tile pick(int rows, std::integer_sequence<int, R...>) {
   Tile t = nullptr;
-  ((t = rows == R + 1 ? tile<Bits, R + 1, B> : t), ...);
+  ((t = rows == R + 1 ? tile<Bits, Mins, R + 1, B> : t), ...);
   return t;
 }
 
-template <int Bits>
+template <int Bits, bool Mins>
 Tile tile_for(int rows, int blocks) {
   constexpr auto r = std::make_integer_sequence<int, kRows>{};
-  return blocks == kBlocks ? pick<Bits, kBlocks>(rows, r) : pick<Bits, 1>(rows, r);
+  return blocks == kBlocks ? pick<Bits, Mins, kBlocks>(rows, r) : pick<Bits, Mins, 1>(rows, r);
 }
 #endif
 }  // namespace
 
 // x [m, k] (bfloat16 if bf16, else float32; rows contiguous; k a multiple of 32), wq (of
-// `bits` 8 or 4) and ws octet-packed from [n, k] (above), b [n] in x's type or null, y [m, n]
-// in x's type. Returns nonzero where it has no kernel (no AVX2 and F16C, k not a multiple of
-// 32, other bits).
+// `bits` 8 or 4), ws and wm (int4's mins, or null) octet-packed from [n, k] (above), b [n] in
+// x's type or null, y [m, n] in x's type. Returns nonzero where it has no kernel (no AVX2 and
+// F16C, k not a multiple of 32, other bits, mins with 8 bits).
 extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void* wq,
-                                  const void* ws, const void* b, void* y, int64_t m, int64_t n,
-                                  int64_t k, int threads) {
+                                  const void* ws, const void* wm, const void* b, void* y,
+                                  int64_t m, int64_t n, int64_t k, int threads) {
 #if defined(__AVX2__) && defined(__F16C__)
-  if (k % kGroup || (bits != 8 && bits != 4)) return 1;
+  if (k % kGroup || (bits != 8 && bits != 4) || (wm && bits != 4)) return 1;
   const int64_t blocks = (n + kLanes - 1) / kLanes, groups = k / kGroup;
   std::vector<int8_t> qx(m * k);
   std::vector<float> sx(m * groups);
@@ -226,6 +243,9 @@ extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void*
   }
   const auto* Q = static_cast<const int8_t*>(wq);
   const auto* S = static_cast<const uint16_t*>(ws);
+  const auto* M = static_cast<const uint16_t*>(wm);
+  Tile (*const tiles)(int, int) = bits == 8 ? tile_for<8, false>
+                                  : M ? tile_for<4, true> : tile_for<4, false>;
   const int64_t esize = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
   {
@@ -236,15 +256,15 @@ extern "C" int pdserve_quant_gemm(int bits, int bf16, const void* x, const void*
       for (int64_t i0 = 0; i0 < m; i0 += kRows) {
         const int rows = int(std::min<int64_t>(m - i0, kRows));
         const Out o{b, static_cast<char*>(y) + i0 * n * esize, n, bool(bf16)};
-        (bits == 8 ? tile_for<8> : tile_for<4>)(rows, count)(
-            Rows{&qx[i0 * k], &sx[i0 * groups], &tx[i0 * groups]}, k, Q + first * k * kLanes * bits / 8,
-            S + first * groups * kLanes, first * kLanes, o);
+        tiles(rows, count)(Rows{&qx[i0 * k], &sx[i0 * groups], &tx[i0 * groups]}, k,
+                           Q + first * k * kLanes * bits / 8, S + first * groups * kLanes,
+                           M ? M + first * groups * kLanes : nullptr, first * kLanes, o);
       }
     }
   }
   return 0;
 #else
-  (void)bits, (void)bf16, (void)x, (void)wq, (void)ws, (void)b, (void)y, (void)m, (void)n,
+  (void)bits, (void)bf16, (void)x, (void)wq, (void)ws, (void)wm, (void)b, (void)y, (void)m, (void)n,
       (void)k, (void)threads;
   return 1;
 #endif

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "serve": "online serving load (vllm bench serve style) against an OpenAI API",
     "structured": "the sampler's step with N grammar-constrained rows vs N free ones",
     "transfer": "KV pull rate over NIXL vs memcpy",
+    "weights": "a shape's random weights written as an HF folder, for peers to load",
 }
 
 

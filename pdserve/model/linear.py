@@ -71,13 +71,15 @@ class Gemm:
         return cls(prepacked, native.library() if prepacked and spare else None,
                    PAIR_ROWS if has_amx() else GATED_ROWS)
 
-    def weight(self, w: torch.Tensor | quant.Table, gated: bool = False) -> Linear:
-        """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul. A Table
-        (weights stored quantized) is computed as it is stored."""
+    def weight(self, w: torch.Tensor | quant.Table, gated: bool = False,
+               head: bool = False) -> Linear:
+        """gated: w is an MLP's gate and up ([2 * I, k], gate first) for silu_mul; head: w
+        is the lm_head, quantized to 8 bits where weights are. A Table (weights stored
+        quantized) is computed as it is stored."""
         if isinstance(w, quant.Table):
             return w.packed()
         if self.bits:
-            return quant.quantize(w, self.bits)
+            return quant.quantize(w, 8 if head else self.bits)
         if not self.prepacked:
             return w
         # The hint (batch 1) picks the decode-friendly blocking; prefills run as fast on it.

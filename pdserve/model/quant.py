@@ -96,8 +96,19 @@ def quantize(w: torch.Tensor, bits: int) -> QuantWeight:
     if k % GROUP:
         raise ValueError(f"quantized weights need rows a multiple of {GROUP} wide; one is "
                          f"[{n}, {k}]")
-    q, scales = quantize_groups(w) if bits == 8 else _q4_0(w)
+    q, scales = _q8_0(w) if bits == 8 else _q4_0(w)
     return packed(q, scales.half(), bits)
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32: d = max |w| / 127, q = w * (1 / d) rounded half away from zero
+    (llama.cpp's reference quantizer; activations take quantize_groups, its AVX2 rule)."""
+    x = w.float().unflatten(-1, (-1, GROUP))
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, torch.ones_like(d) / d, 0)
+    y = x * inv
+    q = torch.sign(y) * torch.floor(y.abs() + 0.5)
+    return q.to(torch.int8).flatten(-2), d.squeeze(-1)
 
 
 def _q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

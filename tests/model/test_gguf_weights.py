@@ -13,7 +13,7 @@ import torch
 from pdserve.config import ConfigError, EngineConfig
 from pdserve.engine.build import build_engine
 from pdserve.engine.request import Request
-from pdserve.model import gguf_weights, loader
+from pdserve.model import gguf_weights, loader, quant
 from pdserve.model.llama import _cat
 from pdserve.model.quant import Table
 from tests.utils import greedy, run_engine
@@ -50,6 +50,18 @@ def test_each_block_format_decodes_to_the_gguf_packages_weights(kind):
     bound = 2**-11 * (15 * scale + low) * 1.001
     assert ((got - want).abs().unflatten(-1, (-1, 32)) <= bound).all()
     assert t.q.min() >= 0 and t.q.max() <= 15
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("Q8_0", 8), ("Q4_0", 4)])
+def test_int8_and_int4_quantize_as_llama_cpps_quantizer(kind, bits):
+    """--quantization int8 / int4 make, from float weights, the file llama-quantize would:
+    the same quants and scales (the gguf package holds llama.cpp's reference quantizers)."""
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)) * torch.logspace(
+        -3, 2, 1024)
+    want = gguf_weights.table(kind, torch.from_numpy(gguf.quants.quantize(w.numpy(),
+                                                                          KINDS[kind])), 64)
+    q, scales, _ = quant.unpacked(quant.quantize(w, bits))
+    assert torch.equal(q, want.q) and torch.equal(scales, want.scales.float())
 
 
 def test_the_embedded_file_reads_as_transformers_converts_it():

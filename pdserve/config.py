@@ -15,6 +15,7 @@ KV_LAYOUTS = ("NHD", "HND")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("int8", "int4", "gguf")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ class EngineConfig:
     # computed as stored (model/gguf_weights.py)
     quantization: str | None = None
     load_format: str = "auto"  # dummy: random weights of the config's shape (benchmarks)
+    kv_cache_dtype: str = "auto"  # auto: --dtype; fp8*: the cache stored in 8-bit floats
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +61,12 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
                               f"got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.device not in ("auto", "cpu"):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on CPU, not "
+                              f"--device {self.device}")
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
                 raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "

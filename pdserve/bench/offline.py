@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+from pdserve.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 from pdserve.engine import build
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, SamplingParams, Status
@@ -52,6 +52,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of --model's config (benchmarks/models); "
                         "implies --skip-hf")
@@ -108,7 +109,8 @@ def engine_for(args: argparse.Namespace, w: Workload, batches: list[int],
     # loses nothing).
     return build.build_engine(EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
-        load_format=args.load_format, num_kv_blocks=max(need, decode_need) + 1,
+        load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=max(need, decode_need) + 1,
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(max_len, decode_len, *prefills, 2048), seed=args.seed,
         enable_prefix_caching=False))
@@ -242,6 +244,7 @@ def report(args: argparse.Namespace, w: Workload, engine_s: float, hf: tuple[flo
         f"{args.min_output}-{args.max_output} ({n} tokens), ignore_eos, greedy; "
         f"{model_name(args.model)}, {args.dtype}"
         f"{', ' + args.quantization if args.quantization else ''}"
+        f"{', KV ' + args.kv_cache_dtype if args.kv_cache_dtype != 'auto' else ''}"
         f"{', dummy weights' if args.load_format == 'dummy' else ''}, "
         f"{torch.get_num_threads()} torch threads",
         "",

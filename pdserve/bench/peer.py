@@ -6,11 +6,17 @@ each, the ratios printed.
     pdserve bench peer --peer /path/to/peer     # the folder with serve.sh and its venv
     pdserve bench peer --only prefill,batch     # some of the work
     pdserve bench peer --layout 1p1d            # `pdserve up` against vLLM's tuned 1P1D
+    pdserve bench peer --peer-kind llamacpp --model model.Q4_0.gguf --pdserve-args='-q gguf'
 
 Layouts: `mono` runs `pdserve serve` against `vllm serve` on every core; `1p1d` runs `pdserve
 up` (one prefill, one decode, its proxy) against a vLLM prefill on core 0 and a vLLM decode on
 core 1 (NixlConnector, the peer folder's two tuning patches on), fronted by `pdserve proxy`,
 which both P/D protocols share, so that the proxy costs each side the same.
+
+`--peer-kind llamacpp` runs llama.cpp's `llama-server` instead (built by the peer folder's
+llamacpp.sh, started by its `serve`: every core, 16 slots, one unified KV cache) on the GGUF
+file --gguf (by default --model, where that is one); pdserve serves --model with
+--pdserve-args (`-q gguf`: the same file computed as stored). Only the mono layout.
 
 Work: lone prompts of 1,000-7,900 tokens (max_tokens 1: the prefill's wall time); 64
 sequences at once (64-512 tokens in, 64-512 out, ignore_eos: output throughput); Poisson
@@ -158,7 +164,8 @@ def measured(server, url: str, model: str, args: argparse.Namespace, tag: str) -
 
 
 def run_pdserve(args: argparse.Namespace, model: str) -> Results:
-    engine = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", model]
+    engine = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", model,
+              *(["--model", args.model] if args.model else []), *shlex.split(args.pdserve_args)]
     if args.layout == "1p1d":
         argv, url, prefill, decode = up_layout(engine)
         health = [prefill, decode, url]
@@ -192,6 +199,14 @@ def run_vllm(args: argparse.Namespace, peer: Path, model: str) -> Results:
     return measured(server, url, model, args, "vllm")
 
 
+def run_llamacpp(args: argparse.Namespace, peer: Path, model: str) -> Results:
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = ["bash", str(peer / "llamacpp.sh"), "serve", args.gguf, url.rsplit(":", 1)[1]]
+    server = running(cmd, [url], timeout=600, name="llama-server",
+                     log=Path(args.out) / "llamacpp.log")
+    return measured(server, url, model, args, "llama.cpp")
+
+
 def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}x" if ours and theirs else "-"
 
@@ -203,11 +218,11 @@ def _load_rows(work: str, ours: dict, theirs: dict, metrics: tuple[tuple[str, st
             f"{_ratio(ours[key], theirs.get(key))} |" for key, name in metrics]
 
 
-def report(ours: Results, peer: Results | None) -> str:
-    """A markdown table: pdserve's figure, vLLM's, and pdserve / vLLM (lower is better for
-    times, higher for throughput)."""
+def report(ours: Results, peer: Results | None, name: str = "vLLM-CPU") -> str:
+    """A markdown table: pdserve's figure, the peer's, and pdserve / peer (lower is better
+    for times, higher for throughput)."""
     p = peer or Results()
-    rows = ["| work | pdserve | vLLM-CPU | pdserve / vLLM |", "|---|---:|---:|---:|"]
+    rows = [f"| work | pdserve | {name} | pdserve / {name} |", "|---|---:|---:|---:|"]
     for n, ms in ours.prefill_ms.items():
         theirs = p.prefill_ms.get(n)
         rows.append(f"| prefill {n} tokens (ms) | {ms:.0f} | {theirs or 0:.0f} | "
@@ -224,7 +239,7 @@ def report(ours: Results, peer: Results | None) -> str:
     if ours.peak_rss_mb:
         rows.append(f"| peak RSS, all processes (MB) | {ours.peak_rss_mb:.0f} | "
                     f"{p.peak_rss_mb or 0:.0f} | {_ratio(ours.peak_rss_mb, p.peak_rss_mb)} |")
-    note = "" if peer else "\n\nvLLM-CPU was not run (no peer folder): pdserve alone."
+    note = "" if peer else f"\n\n{name} was not run (no peer folder): pdserve alone."
     return "\n".join(rows) + note
 
 
@@ -236,6 +251,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-model", default=os.environ.get("VLLM_PEER_MODEL", "/tmp/smollm2-hf"),
                    help="the embedded model as an HF folder, for vLLM (and as the name both "
                    "serve)")
+    p.add_argument("--peer-kind", choices=("vllm", "llamacpp"), default="vllm")
+    p.add_argument("--model", default=None,
+                   help="what pdserve serves (default: the embedded model)")
+    p.add_argument("--gguf", default=None,
+                   help="llamacpp: the GGUF file llama-server serves (default: --model)")
+    p.add_argument("--pdserve-args", default="",
+                   help="more flags for pdserve's servers, e.g. '--quantization gguf'")
     p.add_argument("--layout", choices=("mono", "1p1d"), default="mono",
                    help="mono: pdserve serve against vllm serve; 1p1d: pdserve up against "
                    "vLLM's prefill and decode behind a proxy")
@@ -253,6 +275,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--prefill-lens: each between 1 and {MAX_MODEL_LEN - 1}")
     if bad := args.only - set(WORK):
         p.error(f"--only: unknown work {', '.join(sorted(bad))}")
+    if args.peer_kind == "llamacpp":
+        args.gguf = args.gguf or (args.model if str(args.model).endswith(".gguf") else None)
+        if args.gguf is None or args.layout != "mono":
+            p.error("--peer-kind llamacpp: a GGUF file (--gguf, or --model FILE.gguf) and "
+                    "the mono layout")
     return args
 
 
@@ -260,14 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     peer = Path(args.peer)
-    has_peer = (peer / "serve.sh").exists() and Path(args.hf_model, "config.json").exists()
+    if args.peer_kind == "llamacpp":
+        name, model = "llama.cpp", Path(args.gguf).name
+        has_peer = (peer / "llamacpp.sh").exists() and Path(args.gguf).exists()
+        missing = f"{peer}/llamacpp.sh and {args.gguf}"
+    else:
+        name, model = "vLLM-CPU", args.hf_model
+        has_peer = (peer / "serve.sh").exists() and Path(args.hf_model, "config.json").exists()
+        missing = f"{peer}/serve.sh and {args.hf_model}"
     if not has_peer:
-        print(f"no vLLM-CPU peer ({peer}/serve.sh and {args.hf_model}): pdserve alone",
-              file=sys.stderr)
-    ours = run_pdserve(args, args.hf_model if has_peer else "pdserve")
-    theirs = run_vllm(args, peer, args.hf_model) if has_peer else None
+        print(f"no {name} peer ({missing}): pdserve alone", file=sys.stderr)
+    ours = run_pdserve(args, model if has_peer else "pdserve")
+    theirs = None if not has_peer else run_llamacpp(args, peer, model) \
+        if args.peer_kind == "llamacpp" else run_vllm(args, peer, model)
     print(f"layout: {args.layout}")
-    print(report(ours, theirs))
+    print(report(ours, theirs, name))
     print(f"server logs and each run's JSON: {args.out}", file=sys.stderr)
     return 0
 

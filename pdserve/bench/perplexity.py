@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.config import QUANTIZATIONS, EngineConfig
+from pdserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pdserve.engine import build
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.model.loader import model_name
@@ -40,6 +40,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--text", type=Path, default=None,
                    help="a UTF-8 text file (default: Newton's Opticks, see above)")
     p.add_argument("--tokens", type=int, default=24576,
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = build.build_engine(EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
-        max_model_len=args.ctx, max_num_seqs=1, enable_prefix_caching=False,
-        num_kv_blocks=args.ctx // 16 + 2))
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.ctx, max_num_seqs=1,
+        enable_prefix_caching=False, num_kv_blocks=args.ctx // 16 + 2))
     tokens = engine.tokenizer.encode(text.read_text(encoding="utf-8"))[:args.tokens]
     losses: list[float] = []
     for i, window in enumerate(windows(tokens, args.ctx)):
@@ -84,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ppl = math.exp(sum(losses) / len(losses))
     print(f"{model_name(args.model)}, {args.dtype}"
-          f"{', ' + args.quantization if args.quantization else ''}: perplexity {ppl:.4f} "
-          f"over {len(losses)} scored tokens ({len(tokens)} of {text.name}, windows of "
-          f"{args.ctx}, each scored on its second half)")
+          f"{', ' + args.quantization if args.quantization else ''}"
+          f"{', KV ' + args.kv_cache_dtype if args.kv_cache_dtype != 'auto' else ''}: "
+          f"perplexity {ppl:.4f} over {len(losses)} scored tokens ({len(tokens)} of "
+          f"{text.name}, windows of {args.ctx}, each scored on its second half)")
     return 0
 
 

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.host_buffer import HostBuffer
 from pdserve.kv_transfer.interface import ConnectorContext
 from pdserve.kv_transfer.tp_transport import WorkerKV
 from pdserve.model import loader
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache, cache_dtype
 from pdserve.model.llama import LlamaModel, ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.platforms import get_platform
@@ -68,7 +68,8 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
         raise ConfigError(f"{config.model or loader.EMBEDDED_NAME}: {e}") from None
     shape = local.kv_shape(config.block_size, config.kv_layout)
     num_blocks = config.num_kv_blocks or int(
-        config.kv_cache_memory_gib * 2**30 // shape.block_bytes(dtype))
+        config.kv_cache_memory_gib * 2**30 // shape.block_bytes(
+            cache_dtype(config.kv_cache_dtype, dtype)))
     engine_id = engine_id or (kv.engine_id if kv else "local")
     if kv is not None:
         HostBuffer.needed(kv, platform)  # refuse what cannot work before any rank starts
@@ -80,7 +81,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
             for r in range(1, tp)])
     model = load_model(config, folder, local, dtype, device)
     group = TPGroup.join(workers, store, platform, device) if tp > 1 else None
-    cache = KVCache(shape, num_blocks, dtype, device)
+    cache = KVCache(shape, num_blocks, cache_dtype(config.kv_cache_dtype, dtype), device)
     connector = None
     if kv is not None:
         ctx = ConnectorContext(engine_id, dp_rank, tp, config.block_size, cache.block_bytes,

@@ -32,7 +32,7 @@ from pdserve.config import ConfigError, EngineConfig
 from pdserve.engine.heap import freeze_heap
 from pdserve.model import loader
 from pdserve.model.gguf_weights import GGUFWeights
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache, cache_dtype
 from pdserve.model.llama import Batch, Chunk, LlamaModel, ModelConfig
 from pdserve.model.quant import Table
 from pdserve.platforms import get_platform
@@ -75,7 +75,7 @@ def load_model(config: EngineConfig, folder: Path, local: ModelConfig, dtype: to
         weights = _weights(config, folder)
         return LlamaModel(local, weights, dtype, device, max(config.max_model_len, 1), tp_rank,
                           all_reduce if config.tensor_parallel_size > 1 else None,
-                          config.quantization)
+                          config.quantization, cache_dtype(config.kv_cache_dtype, dtype))
     except ValueError as e:
         raise loader.ModelLoadError(f"{folder}: {e}") from None
 
@@ -257,8 +257,8 @@ def run_worker(spec: WorkerSpec) -> None:
         folder = loader.resolve(cfg.model)
         local = ModelConfig.from_folder(folder).shard(spec.tp_size)
         dtype = loader.TORCH_DTYPES[cfg.dtype]
-        cache = KVCache(local.kv_shape(cfg.block_size, cfg.kv_layout), spec.num_blocks, dtype,
-                        device)
+        cache = KVCache(local.kv_shape(cfg.block_size, cfg.kv_layout), spec.num_blocks,
+                        cache_dtype(cfg.kv_cache_dtype, dtype), device)
         kv = spec.kv_handler(cache) if spec.kv_handler is not None else None
         model = load_model(cfg, folder, local, dtype, device, spec.tp_rank)
     except Exception as e:  # whatever fails, rank 0 must hear why, not wait

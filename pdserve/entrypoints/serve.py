@@ -11,7 +11,14 @@ import logging
 import os
 import sys
 
-from pdserve.config import LOAD_FORMATS, QUANTIZATIONS, ConfigError, EngineConfig, KVTransferConfig
+from pdserve.config import (
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    ConfigError,
+    EngineConfig,
+    KVTransferConfig,
+)
 from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 
 log = logging.getLogger("pdserve.serve")
@@ -59,9 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch every decode step's kernels from Python: no CUDA graphs "
                         "(CPUs run eagerly anyway)")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
-                   help="every weight quantized at load, in groups of 32 (GGUF's Q8_0 or "
-                        "Q4_0), and multiplied quantized against rows of x quantized on "
-                        "the fly (CPU)")
+                   help="int8, int4: every weight quantized at load, in groups of 32 (GGUF's "
+                        "Q8_0 or Q4_0), and multiplied quantized against rows of x quantized "
+                        "on the fly; gguf: a .gguf file's weights computed as stored (CPU)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="auto: --dtype; fp8 (e4m3) or fp8_e5m2: K and V stored in 8 bits, "
+                        "read back for attention (CPU; a P/D pair must agree)")
     p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
                    help="dummy: random weights of the shape config.json gives (a folder "
                         "with config.json and a tokenizer): for benchmarks")
@@ -108,7 +118,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.prefix_caching, num_threads=args.num_threads,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager, quantization=args.quantization,
-        load_format=args.load_format)
+        load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
     cfg.validate()
     return cfg
 
@@ -166,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
     state.request_timeout = args.request_timeout
     state.max_request_bytes = args.max_request_bytes
     state.release_remote = _remote_releaser(kv, state.validate_kv_params)
-    log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), cfg.dtype,
+    formats = [cfg.dtype, *([f"{cfg.quantization} weights"] if cfg.quantization else []),
+               *([f"KV {cfg.kv_cache_dtype}"] if cfg.kv_cache_dtype != "auto" else [])]
+    log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), ", ".join(formats),
              state.engine.describe(), args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level="warning")

@@ -191,7 +191,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     flags = ["model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks",
              "kv_layout", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
              "served_model_name", "max_queue", "request_timeout", "drain_timeout",
-             "max_request_bytes", "quantization", "load_format"]
+             "max_request_bytes", "quantization", "load_format", "kv_cache_dtype"]
     argv: list[str] = []
     for f in flags:
         if (v := getattr(args, f)) is not None:

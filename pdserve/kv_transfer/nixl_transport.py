@@ -262,8 +262,8 @@ def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> None:
              for k in _COMPAT_KEYS if whole_local.get(k) != whole_remote.get(k)]
     if diffs:
         raise IncompatibleKV("prefill and decode KV caches are incompatible (" +
-                             "; ".join(diffs) + "); start both with the same model and "
-                             "--dtype")
+                             "; ".join(diffs) + "); start both with the same model, "
+                             "--dtype and --kv-cache-dtype")
     check_layouts(remote.get("tp_size", 1), local.get("tp_size", 1), remote.get("layout"),
                   local.get("layout"))
     rbs = remote.get("block_size")

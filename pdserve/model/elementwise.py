@@ -69,7 +69,7 @@ class Elementwise:
         kv_heads, dim = cache.shape.num_kv_heads, cache.shape.head_dim
         q, k, v = qkv.view(qkv.shape[0], -1, dim).split([heads, kv_heads, kv_heads], 1)
         rot = cos.shape[-1]
-        if self.lib is None:
+        if self.lib is None or cache.tensor.dtype != qkv.dtype:  # an fp8 cache: torch stores
             qk = qkv.view(qkv.shape[0], -1, dim)[:, :heads + kv_heads, :rot]
             qk.copy_(rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)))
             cache.write(layer, k, v, blocks, offsets)

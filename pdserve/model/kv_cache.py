@@ -28,6 +28,18 @@ class KVShape:
         return n * dtype.itemsize
 
 
+# --kv-cache-dtype: 8-bit floats, converted when K and V are stored (rounded to nearest,
+# saturating at the format's largest value) and read back in the model's dtype for attention.
+# e4m3 keeps 3 bits of mantissa within +-448, e5m2 2 bits within +-57344.
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype: the model's for "auto"."""
+    return KV_DTYPES.get(kv_cache_dtype, dtype)
+
+
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
@@ -58,6 +70,7 @@ class KVCache:
               blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, dim]) at (block, offset) slots."""
         kc, vc = self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+        k, v = k.to(kc.dtype), v.to(vc.dtype)  # an fp8 cache rounds them
         if self.shape.layout == "NHD":
             kc[blocks, offsets] = k
             vc[blocks, offsets] = v

@@ -233,7 +233,9 @@ class LlamaModel:
                  dtype: torch.dtype, device: torch.device | str = "cpu",
                  max_len: int = 4096, tp_rank: int = 0,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, kv_dtype: torch.dtype | None = None
+                 ) -> None:
+        """kv_dtype: the cache's, where it is not dtype (--kv-cache-dtype fp8)."""
         self.config = config
         self.dtype = dtype
         weights = _unfused(weights, config)
@@ -243,8 +245,10 @@ class LlamaModel:
         self.gemm = gemm = Gemm.for_model(dtype, device, sum(
             s.numel() for s in shapes) * dtype.itemsize, quantization)
         self.ops = Elementwise.for_model(dtype, device)
+        # The paged kernels read a cache of the model's dtype; an fp8 one is read by torch.
         self.paged = PagedAttention.for_model(config.num_heads, config.num_kv_heads,
-                                              config.head_dim, dtype, device)
+                                              config.head_dim, dtype, device) \
+            if kv_dtype in (None, dtype) else None
         sizes = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads *
                  config.head_dim, "v": config.num_kv_heads * config.head_dim,
                  "o": config.num_heads * config.head_dim, "gate": config.intermediate_size,
@@ -424,17 +428,19 @@ class LlamaModel:
             if self.paged is not None:
                 self.paged.decode(q, out, d.index, cache, layer, d.tables, d.lens, scores)
                 continue
-            kc, vc = cache.gather(layer, d.tables)
+            kc, vc = (x.to(q.dtype) for x in cache.gather(layer, d.tables))
             out[d.index] = attention.decode(q[d.index], kc, vc, d.lens, scores)
         for ch in batch.chunks:
             if self.paged is not None:
                 self.paged.chunk(q[ch.start:ch.end], out[ch.start:ch.end], cache, layer,
                                  ch.table, ch.pos, scores)
                 continue
-            if ch.pos == 0:  # nothing cached before this chunk: attend to its own K/V
+            # Nothing cached before this chunk: attend to its own K/V (as the cache holds them,
+            # unless it rounds them to fp8: then to the cache's, as later chunks do).
+            if ch.pos == 0 and cache.tensor.dtype == q.dtype:
                 kc, vc = k[ch.start:ch.end].transpose(0, 1), v[ch.start:ch.end].transpose(0, 1)
             else:
-                kc, vc = (x[0] for x in cache.gather(layer, ch.table))
+                kc, vc = (x[0].to(q.dtype) for x in cache.gather(layer, ch.table))
             out[ch.start:ch.end] = attention.chunk(q[ch.start:ch.end], kc, vc, ch.pos, scores)
         return out.flatten(1)
 

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.bench import peer
 from pdserve.bench.launch import free_port, running
+from pdserve.model import loader
 
 
 def test_without_a_peer_it_runs_pdserve_alone(tmp_path, capsys):
@@ -26,6 +27,24 @@ def test_without_a_peer_it_runs_pdserve_alone(tmp_path, capsys):
         assert row.rstrip("| ").endswith("-")
     rss = next(line for line in out.splitlines() if "peak RSS" in line)
     assert 100 < float(rss.split("|")[2]) < 20000  # the server's, in MB
+
+
+def test_a_llamacpp_peer_missing_runs_pdserve_alone_on_the_gguf_file(tmp_path, capsys):
+    """--model and --pdserve-args reach pdserve's server: the embedded file computed as
+    stored; the missing peer is named as llama.cpp."""
+    gguf = str(loader.embedded_gguf())
+    code = peer.main(["--peer", str(tmp_path / "none"), "--peer-kind", "llamacpp", "--model",
+                      gguf, "--pdserve-args=-q gguf", "--only", "prefill", "--prefill-lens",
+                      "40", "--runs", "1", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0 and "no llama.cpp peer" in err and "llama.cpp was not run" in out
+    assert "| work | pdserve | llama.cpp | pdserve / llama.cpp |" in out
+    assert "(float32, gguf weights;" in (tmp_path / "pdserve-mono.log").read_text()
+
+
+def test_a_llamacpp_peer_needs_a_gguf_file():
+    with pytest.raises(SystemExit):
+        peer.main(["--peer-kind", "llamacpp"])
 
 
 def test_report_gives_pdserve_over_vllm():

@@ -1,7 +1,8 @@
 """Quantized weights served for real: P/D over NIXL token for token equal to the same weights
 served monolithically, prompts prefilled in several chunks included. int4 (Q4_0, quantized at
 load) and the embedded GGUF file as stored (Q4_1 with its mins, a Q8_0 embedding and
-lm_head); int8 (Q8_0) runs the same kernel with another unpacking (tests/model/test_quant.py)."""
+lm_head) with an fp8 KV cache; int8 (Q8_0) runs the same kernel with another unpacking
+(tests/model/test_quant.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from tests.utils import PASSAGE, metric
 PROMPTS = ["The capital of France is", PASSAGE[:300], PASSAGE * 2]  # the last: 2 chunks of 512
 
 
-@pytest.fixture(scope="module", params=["int4", "gguf"])
+# int4 weights; the embedded file as stored with an fp8 KV cache (what each pull moves)
+@pytest.fixture(scope="module", params=[("int4", "auto"), ("gguf", "fp8")], ids=str)
 def pair(request):
     # kv_both: the prefill serves plain requests too, as a monolith with the same weights.
-    prefill = serve(kv_config(), "--quantization", request.param, "--max-model-len", "1024")
-    decode = serve(kv_config(), "--quantization", request.param, "--max-model-len", "1024")
+    flags = ["--quantization", request.param[0], "--kv-cache-dtype", request.param[1],
+             "--max-model-len", "1024"]
+    prefill, decode = serve(kv_config(), *flags), serve(kv_config(), *flags)
     yield prefill, decode
     stop(prefill, decode)
 

@@ -52,7 +52,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     device = platform.rank_device(dp_rank * tp) if tp > 1 else platform.device()
-    folder = loader.resolve(config.model)
+    folder = loader.resolve(config.model, weights=config.quantization != "gguf")
     model_config = ModelConfig.from_folder(folder)
     if (limit := model_config.long_rope_limit()) and config.max_model_len > limit:
         raise ConfigError(f"{config.model}: past {limit} tokens (its "

@@ -254,7 +254,7 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         platform = get_platform(cfg.device)
         device = platform.rank_device(spec.device_index)
-        folder = loader.resolve(cfg.model)
+        folder = loader.resolve(cfg.model, weights=cfg.quantization != "gguf")
         local = ModelConfig.from_folder(folder).shard(spec.tp_size)
         dtype = loader.TORCH_DTYPES[cfg.dtype]
         cache = KVCache(local.kv_shape(cfg.block_size, cfg.kv_layout), spec.num_blocks,

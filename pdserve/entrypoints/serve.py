@@ -227,7 +227,8 @@ def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from pdserve.model.llama import ModelConfig
     from pdserve.model.tokenizer import Tokenizer
 
-    folder = loader.resolve(cfg.model)  # converts a GGUF once, before the ranks start
+    # converts a GGUF once, before the ranks start
+    folder = loader.resolve(cfg.model, weights=cfg.quantization != "gguf")
     model = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(loader.tokenizer_folder(folder), list(model.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores

@@ -1,9 +1,10 @@
 """A GGUF file's weights as llama.cpp stores them (`--quantization gguf`): tensors in Q8_0,
 Q4_0, Q4_1 and Q4_K are read block by block into quant.Tables and computed as they are
 (Q4_K's super-blocks of 256 as their eight groups of 32, each with its scale d * sc and min
--dmin * m rounded to float16). Every other tensor is read from the float32 folder the file
-was converted to (loader.resolve): norms as they are, products in other formats (Q5_K, Q6_K,
-F16, ...) quantized again to Q8_0 by the model (quant.BITS).
+-dmin * m rounded to float16). Every other tensor is dequantized to float32 (by the `gguf`
+package): norms are used as they are, products in other formats (Q5_K, Q6_K, F16, ...)
+quantized again to Q8_0 by the model (quant.BITS). Nothing is converted first: the file's
+config and tokenizer alone are (loader.resolve without weights).
 
 Block layouts (ggml's): Q8_0 is 32 quants (34 bytes: float16 d, 32 int8); Q4_0 and Q4_1
 hold 32 nibbles in 16 bytes, byte j the j-th value in its low half and the (16 + j)-th in its
@@ -19,7 +20,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from pdserve.model import loader
 from pdserve.model.quant import Table
@@ -64,8 +64,9 @@ def _q4_k(b: torch.Tensor) -> Table:
 
 
 class GGUFWeights(Mapping[str, torch.Tensor | Table]):
-    """The weights of `folder` (the float32 conversion of `file`) under its names, those
-    stored in a computable format (STORED) as Tables from the file itself."""
+    """A GGUF file's weights under transformers' names (those of folder's config: loader.
+    shapes), each read from the file when asked for: those in a computable format (STORED)
+    as Tables, the others dequantized to float32 by the gguf package."""
 
     def __init__(self, file: Path, folder: Path) -> None:
         reader = gguf.GGUFReader(file)
@@ -75,42 +76,47 @@ class GGUFWeights(Mapping[str, torch.Tensor | Table]):
                 f"--quantization gguf reads GGUF files of {', '.join(ARCHITECTURES)} "
                 f"models; {file.name} holds a {arch} model (serve it without --quantization "
                 "gguf, dequantized)")
-        self.files = {name: f for f in sorted(folder.glob("*.safetensors"))
-                      for name in _names(f)}
         config = loader.load_config(folder)
         self.heads = {"attn_q": config["num_attention_heads"],
                       "attn_k": config.get("num_key_value_heads",
                                            config["num_attention_heads"])}
         self.permuted = ARCHITECTURES[arch]
-        self.names = gguf.get_tensor_name_map(
+        names = gguf.get_tensor_name_map(
             {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config["num_hidden_layers"])
-        self.tensors = {t.name: t for t in reader.tensors}
+        tensors = {t.name: t for t in reader.tensors}
+        self.stored = {}
+        for name in loader.shapes(folder):
+            found = tensors.get(names.get_name(name, try_suffixes=(".weight", ".bias")) or "")
+            if found is None and name == "lm_head.weight":  # tied: the file keeps one copy
+                found = tensors.get("token_embd.weight")
+            if found is not None:
+                self.stored[name] = found
+        self.shapes = {name: torch.Size(reversed(t.shape.tolist()))
+                       for name, t in self.stored.items()}  # GGUF lists dims innermost first
 
     def __getitem__(self, name: str) -> torch.Tensor | Table:
-        stored = self.tensors.get(self.names.get_name(name, try_suffixes=(".weight", ".bias"))
-                                  or "")
-        if stored is None and name == "lm_head.weight":  # tied: the file keeps one copy
-            stored = self.tensors.get("token_embd.weight")
-        if stored is None or stored.tensor_type.name not in STORED or len(stored.shape) != 2:
-            with safe_open(self.files[name], "pt") as f:
-                return f.get_tensor(name)
-        n = int(stored.shape[1])  # GGUF lists dimensions innermost first
-        t = table(stored.tensor_type.name, torch.from_numpy(np.array(stored.data)), n)
+        stored = self.stored[name]
+        kind, shape = stored.tensor_type.name, self.shapes[name]
+        if kind in STORED and len(shape) == 2:
+            t: torch.Tensor | Table = table(kind, torch.from_numpy(np.array(stored.data)),
+                                            shape[0])
+        else:
+            t = torch.from_numpy(np.array(gguf.quants.dequantize(
+                stored.data, stored.tensor_type), dtype=np.float32)).reshape(shape)
         part = stored.name.split(".")[-2]
         if self.permuted and part in self.heads:
-            t = t.rows(_unpermuted(n, self.heads[part]))
+            order = _unpermuted(shape[0], self.heads[part])
+            t = t.rows(order) if isinstance(t, Table) else t[order]
         return t
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.stored
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self.files)
+        return iter(self.stored)
 
     def __len__(self) -> int:
-        return len(self.files)
-
-
-def _names(file: Path) -> list[str]:
-    with safe_open(file, "pt") as f:
-        return list(f.keys())
+        return len(self.stored)
 
 
 def _unpermuted(n: int, heads: int) -> torch.Tensor:

@@ -240,8 +240,10 @@ class LlamaModel:
         self.dtype = dtype
         weights = _unfused(weights, config)
         self.all_reduce = all_reduce or (lambda t: t)
-        shapes = weights.shapes.values() if isinstance(weights, loader.DummyWeights) else \
-            (t.shape for t in weights.values())  # dummy weights: not made just to be counted
+        # Weights read as they are asked for (dummy, a GGUF file's) say their shapes: they
+        # are not made just to be counted.
+        shapes = weights.shapes.values() if hasattr(weights, "shapes") else \
+            (t.shape for t in weights.values())
         self.gemm = gemm = Gemm.for_model(dtype, device, sum(
             s.numel() for s in shapes) * dtype.itemsize, quantization)
         self.ops = Elementwise.for_model(dtype, device)

@@ -62,10 +62,12 @@ def gguf_file(model: str | None) -> Path | None:
     return ggufs[0] if not (path / "config.json").exists() and len(ggufs) == 1 else None
 
 
-def resolve(model: str | None) -> Path:
-    """Return an HF folder (config.json + safetensors + tokenizer) for `model`."""
+def resolve(model: str | None, weights: bool = True) -> Path:
+    """Return an HF folder (config.json + safetensors + tokenizer) for `model`. A GGUF
+    file's is made once and cached: without `weights`, config and tokenizer alone (its
+    tensors are read from the file, gguf_weights.py), else its weights dequantized too."""
     if (gguf := gguf_file(model)) is not None:
-        return _converted(gguf)
+        return _converted(gguf, weights)
     path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json (an HF folder: config.json, "
@@ -73,40 +75,42 @@ def resolve(model: str | None) -> Path:
     return path
 
 
-def _converted(gguf: Path) -> Path:
-    """Dequantize a GGUF file into a cached float32 HF folder, once per file version."""
+def _converted(gguf: Path, weights: bool) -> Path:
+    """A GGUF file as a cached HF folder (its weights dequantized to float32, or none),
+    once per file version."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    out = cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}{'' if weights else '-config'}"
     if (out / ".complete").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:  # concurrent starts convert once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / ".complete").exists():
-            _convert(gguf, out)
+            _convert(gguf, out, weights)
             (out / ".complete").touch()
     return out
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, weights: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # transformers takes seconds to import; only a GGUF's first conversion needs it.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32) if weights else None
+        config = (model.config if model else
+                  AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)).to_dict()
     except Exception as e:  # transformers raises many kinds; the user needs one line
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from None
-    # save_pretrained refuses GGUF-quantized models, so write the dequantized tensors directly.
-    config = model.config.to_dict()
     config.pop("quantization_config", None)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)
-    save_file(weights, out / "model.safetensors")
+    if model is not None:  # save_pretrained refuses GGUF-quantized models: write the tensors
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if config.get("tie_word_embeddings"):
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(out)
 
@@ -166,17 +170,22 @@ class DummyWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
-def dummy_state_dict(folder: Path, seed: int = 0) -> DummyWeights:
-    """Random weights (DummyWeights) of the shapes transformers gives the model of folder's
-    config.json (`--load-format dummy`)."""
+def shapes(folder: Path) -> dict[str, torch.Size]:
+    """The weights' names and shapes transformers gives the model of folder's config.json
+    (made on the meta device: no memory)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            shapes = {k: v.shape for k, v in
-                      AutoModelForCausalLM.from_config(config).state_dict().items()}
+            return {k: v.shape for k, v in
+                    AutoModelForCausalLM.from_config(config).state_dict().items()}
     except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot make dummy weights for {folder}: {e}") from None
-    return DummyWeights(shapes, seed)
+        raise ModelLoadError(f"cannot tell the weights' shapes for {folder}: {e}") from None
+
+
+def dummy_state_dict(folder: Path, seed: int = 0) -> DummyWeights:
+    """Random weights (DummyWeights) of the shapes transformers gives the model of folder's
+    config.json (`--load-format dummy`)."""
+    return DummyWeights(shapes(folder), seed)

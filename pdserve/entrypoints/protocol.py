@@ -24,6 +24,13 @@ from pdserve.engine.request import SamplingParams
 from pdserve.engine.structured import GrammarSpec
 from pdserve.entrypoints import tools
 
+# Servers keep an idle HTTP connection open longer than the clients' pools keep one (httpx's
+# default, and the proxy's backend pool: 5 s), so the client closes it first: a request sent
+# on a connection the server is closing that instant is lost (a ReadError; the proxy lost a
+# prefill so under load and prefilled it locally).
+SERVER_KEEP_ALIVE_S = 75
+CLIENT_KEEPALIVE_EXPIRY_S = 5.0
+
 MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default max_logprobs
 MAX_N = 128  # choices per request, as OpenAI's
 # A request id goes into backends' headers, response headers and log lines: printable

@@ -14,6 +14,7 @@ from pdserve.config import ConfigError
 from pdserve.entrypoints.body_limit import add_body_limit_arg, check_body_limit
 from pdserve.entrypoints.discovery import Discovery, named_host
 from pdserve.entrypoints.pd_flow import Proxy
+from pdserve.entrypoints.protocol import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from pdserve.entrypoints.proxy import build_app
 from pdserve.entrypoints.routing import (
     Backend,
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot load the tokenizer: {e}") from None
     # No read timeout: a long prompt or a long answer may be silent for minutes. A backend
     # whose node or network is gone never answers again, though: keepalive probes find that.
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                          keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
     transport = httpx.AsyncHTTPTransport(limits=limits,
                                          socket_options=keepalive(args.backend_keepalive))
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=transport)
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
              args.port, " ".join(args.prefill), " ".join(args.decode), args.policy,
              proxy.disagg, f", names resolved every {args.resolve_every}s" if discovered else "")
     uvicorn.run(build_app(proxy, args.max_request_bytes, discovery), host=args.host,
-                port=args.port, log_level="warning")
+                port=args.port, log_level="warning", timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     return 0
 
 

@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.entrypoints.admission import Admission
     from pdserve.entrypoints.api_server import build_app
     from pdserve.entrypoints.drain import DrainingServer
+    from pdserve.entrypoints.protocol import SERVER_KEEP_ALIVE_S
     from pdserve.model.loader import ModelLoadError
 
     cfg = engine_config(args)
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s (%s; %s) at http://%s:%d", " ".join(state.names), ", ".join(formats),
              state.engine.describe(), args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
                             log_level="warning")
     try:
         DrainingServer(config, state, args.drain_timeout).run()

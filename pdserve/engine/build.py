@@ -67,9 +67,9 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     except ValueError as e:
         raise ConfigError(f"{config.model or loader.EMBEDDED_NAME}: {e}") from None
     shape = local.kv_shape(config.block_size, config.kv_layout)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
     num_blocks = config.num_kv_blocks or int(
-        config.kv_cache_memory_gib * 2**30 // shape.block_bytes(
-            cache_dtype(config.kv_cache_dtype, dtype)))
+        config.kv_cache_memory_gib * 2**30 // shape.block_bytes(kv_dtype))
     engine_id = engine_id or (kv.engine_id if kv else "local")
     if kv is not None:
         HostBuffer.needed(kv, platform)  # refuse what cannot work before any rank starts
@@ -81,7 +81,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
             for r in range(1, tp)])
     model = load_model(config, folder, local, dtype, device)
     group = TPGroup.join(workers, store, platform, device) if tp > 1 else None
-    cache = KVCache(shape, num_blocks, cache_dtype(config.kv_cache_dtype, dtype), device)
+    cache = KVCache(shape, num_blocks, kv_dtype, device)
     connector = None
     if kv is not None:
         ctx = ConnectorContext(engine_id, dp_rank, tp, config.block_size, cache.block_bytes,

@@ -13,7 +13,10 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("NixlConnector",)
 KV_LAYOUTS = ("NHD", "HND")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-QUANTIZATIONS = ("int8", "int4", "gguf")
+# Checkpoints stored quantized, computed as stored (model/checkpoint_weights.py): the method
+# is the checkpoint's own quantization_config.quant_method, as vLLM names it.
+CHECKPOINT_QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8")
+QUANTIZATIONS = ("int8", "int4", "gguf", *CHECKPOINT_QUANTIZATIONS)
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
 
@@ -40,7 +43,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharding each layer, one process each
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
     # int8, int4: weights quantized at load (model/quant.py); gguf: a GGUF file's weights
-    # computed as stored (model/gguf_weights.py)
+    # computed as stored (model/gguf_weights.py), a quantized checkpoint's likewise (its
+    # method, set from its config.json where not given)
     quantization: str | None = None
     load_format: str = "auto"  # dummy: random weights of the config's shape (benchmarks)
     kv_cache_dtype: str = "auto"  # auto: --dtype; fp8*: the cache stored in 8-bit floats
@@ -71,10 +75,10 @@ class EngineConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                                   f"got {self.quantization!r}")
-            if self.quantization == "gguf" and self.load_format == "dummy":
-                raise ConfigError("--quantization gguf computes a GGUF file's weights as "
-                                  "stored; --load-format dummy makes random ones (quantize "
-                                  "those with --quantization int8 or int4)")
+            if self.quantization not in ("int8", "int4") and self.load_format == "dummy":
+                raise ConfigError(f"--quantization {self.quantization} computes a file's "
+                                  "weights as stored; --load-format dummy makes random ones "
+                                  "(quantize those with --quantization int8 or int4)")
             if self.device not in ("auto", "cpu") or self.dtype == "float16":
                 raise ConfigError(f"--quantization {self.quantization} runs on CPU with "
                                   f"--dtype float32 or bfloat16, not --device {self.device} "

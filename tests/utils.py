@@ -221,6 +221,43 @@ def write_tiny_llama(out: Path, tokenizer_folder: Path, seed: int = 0,
     return out
 
 
+def write_compressed(src: Path, out: Path, fmt: str, **weights) -> Path:
+    """src's Linear weights (bar the lm_head) quantized and saved by compressed-tensors, the
+    library llm-compressor writes vLLM's checkpoints with, in format `fmt` with the weights'
+    QuantizationArgs `weights`; each scale and zero point from its group's min and max (its
+    min-max observer), in bfloat16 as such checkpoints are made."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    args = QuantizationArgs(**weights)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"], format=fmt))
+    for m in model.modules():
+        if getattr(m, "quantization_scheme", None) is None:
+            continue
+        groups = m.weight.data.unflatten(-1, (-1, args.group_size or m.weight.shape[1]))
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        m.weight_scale.data = scale.to(m.weight_scale.dtype).view_as(m.weight_scale)
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data = zero.to(m.weight_zero_point.dtype).view_as(
+                m.weight_zero_point)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    _copy_tokenizer(src, out)
+    return out
+
+
 def _copy_tokenizer(tokenizer_folder: Path, out: Path) -> None:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_folder / f).exists():

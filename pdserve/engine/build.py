@@ -20,6 +20,7 @@ from pdserve.engine.tensor_parallel import (
     TPModel,
     WorkerSpec,
     load_model,
+    model_folder,
     new_store,
     spawn_workers,
 )
@@ -52,7 +53,7 @@ def build_engine(config: EngineConfig, kv: KVTransferConfig | None = None,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     device = platform.rank_device(dp_rank * tp) if tp > 1 else platform.device()
-    folder = loader.resolve(config.model, weights=config.quantization != "gguf")
+    folder = model_folder(config)
     model_config = ModelConfig.from_folder(folder)
     if (limit := model_config.long_rope_limit()) and config.max_model_len > limit:
         raise ConfigError(f"{config.model}: past {limit} tokens (its "

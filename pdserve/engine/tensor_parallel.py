@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from pdserve.config import ConfigError, EngineConfig
+from pdserve.config import CHECKPOINT_QUANTIZATIONS, ConfigError, EngineConfig
 from pdserve.engine.heap import freeze_heap
-from pdserve.model import loader
+from pdserve.model import checkpoint_weights, loader
+from pdserve.model.checkpoint_weights import CheckpointWeights
 from pdserve.model.gguf_weights import GGUFWeights
 from pdserve.model.kv_cache import KVCache, cache_dtype
 from pdserve.model.llama import Batch, Chunk, LlamaModel, ModelConfig
@@ -80,9 +81,25 @@ def load_model(config: EngineConfig, folder: Path, local: ModelConfig, dtype: to
         raise loader.ModelLoadError(f"{folder}: {e}") from None
 
 
+def model_folder(config: EngineConfig) -> Path:
+    """config.model's HF folder (a GGUF file's converted once: config and tokenizer alone
+    where --quantization gguf reads its weights from the file). A checkpoint stored
+    quantized sets config.quantization to its method, as vLLM reads it; another is refused."""
+    folder = loader.resolve(config.model, weights=config.quantization != "gguf")
+    if config.load_format != "dummy" and (stored := checkpoint_weights.method(folder)):
+        if config.quantization not in (None, stored):
+            raise ConfigError(f"{config.model} is stored quantized with {stored}: serve it "
+                              f"without --quantization {config.quantization}")
+        config.quantization = stored
+        config.validate()
+    return folder
+
+
 def _weights(config: EngineConfig, folder: Path) -> Mapping[str, torch.Tensor | Table]:
     if config.load_format == "dummy":
         return loader.dummy_state_dict(folder)
+    if config.quantization in CHECKPOINT_QUANTIZATIONS:
+        return CheckpointWeights(folder)
     if config.quantization != "gguf":
         return loader.load_state_dict(folder)
     if (file := loader.gguf_file(config.model)) is None:
@@ -254,7 +271,7 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         platform = get_platform(cfg.device)
         device = platform.rank_device(spec.device_index)
-        folder = loader.resolve(cfg.model, weights=cfg.quantization != "gguf")
+        folder = model_folder(cfg)
         local = ModelConfig.from_folder(folder).shard(spec.tp_size)
         dtype = loader.TORCH_DTYPES[cfg.dtype]
         cache = KVCache(local.kv_shape(cfg.block_size, cfg.kv_layout), spec.num_blocks,

@@ -68,7 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                    help="int8, int4: every weight quantized at load, in groups of 32 (GGUF's "
                         "Q8_0 or Q4_0), and multiplied quantized against rows of x quantized "
-                        "on the fly; gguf: a .gguf file's weights computed as stored (CPU)")
+                        "on the fly; gguf: a .gguf file's weights computed as stored; a "
+                        "checkpoint stored quantized (compressed-tensors, gptq, awq, fp8) is "
+                        "computed as stored without it (CPU)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="auto: --dtype; fp8 (e4m3) or fp8_e5m2: K and V stored in 8 bits, "
                         "read back for attention (CPU; a P/D pair must agree)")
@@ -225,12 +227,13 @@ def _local_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
 def _dp_state(args, cfg: EngineConfig, kv: KVTransferConfig | None):
     from pdserve.engine.dp_engine import DPEngine
     from pdserve.engine.structured import Grammars
+    from pdserve.engine.tensor_parallel import model_folder
     from pdserve.model import loader
     from pdserve.model.llama import ModelConfig
     from pdserve.model.tokenizer import Tokenizer
 
     # converts a GGUF once, before the ranks start
-    folder = loader.resolve(cfg.model, weights=cfg.quantization != "gguf")
+    folder = model_folder(cfg)
     model = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(loader.tokenizer_folder(folder), list(model.eos_token_ids))
     if cfg.num_threads is None:  # the ranks share the cores

@@ -3,7 +3,7 @@ Q4_0, Q4_1 and Q4_K are read block by block into quant.Tables and computed as th
 (Q4_K's super-blocks of 256 as their eight groups of 32, each with its scale d * sc and min
 -dmin * m rounded to float16). Every other tensor is dequantized to float32 (by the `gguf`
 package): norms are used as they are, products in other formats (Q5_K, Q6_K, F16, ...)
-quantized again to Q8_0 by the model (quant.BITS). Nothing is converted first: the file's
+quantized again to Q8_0 by the model (quant.bits). Nothing is converted first: the file's
 config and tokenizer alone are (loader.resolve without weights).
 
 Block layouts (ggml's): Q8_0 is 32 quants (34 bytes: float16 d, 32 int8); Q4_0 and Q4_1

@@ -63,7 +63,7 @@ class Gemm:
                   weight_bytes: int = 0, quantization: str | None = None) -> Gemm:
         """weight_bytes: the model's weights, which the pair-packed copies double."""
         if quantization is not None:
-            return cls(False, bits=quant.BITS[quantization])
+            return cls(False, bits=quant.bits(quantization))
         prepacked = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
                      and has_native_bf16() and torch.backends.mkldnn.is_available())
         spare = weight_bytes * RAM_SHARE <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(

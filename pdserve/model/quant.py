@@ -21,9 +21,6 @@ import torch.nn.functional as F
 
 from pdserve.model import native
 
-# Bits of the weights quantized at load; a GGUF file's tensors stored in a format computed as
-# it is (gguf_weights.py) keep their own, the others are quantized to Q8_0.
-BITS = {"int8": 8, "int4": 4, "gguf": 8}
 GROUP = 32  # inputs sharing a scale (Q8_0's and Q4_0's block)
 LANES = 8  # outputs in a block of the packed layout (csrc/quant_gemm.cpp)
 
@@ -88,6 +85,12 @@ class Table:
         """The weights in float32."""
         w = self.q.float().unflatten(-1, (-1, GROUP)) * self.scales.float().unsqueeze(-1)
         return (w if self.mins is None else w + self.mins.float().unsqueeze(-1)).flatten(-2)
+
+
+def bits(quantization: str) -> int:
+    """The bits of the weights the model quantizes: int4's 4, else 8 (int8's, and Q8_0 for
+    the weights a quantized file or checkpoint does not store in a computable form)."""
+    return 4 if quantization == "int4" else 8
 
 
 def quantize(w: torch.Tensor, bits: int) -> QuantWeight:

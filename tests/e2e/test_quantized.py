@@ -7,11 +7,13 @@ its own format without a flag); int8 (Q8_0) runs the same kernel with another un
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
 from tests.e2e.cluster import kv_config, pools_whole, remote_pd, serve, stop
-from tests.utils import PASSAGE, metric, write_compressed
+from tests.utils import NEAR_TIE, PASSAGE, free_port, metric, start_server, write_compressed
 
 PROMPTS = ["The capital of France is", PASSAGE[:300], PASSAGE * 2]  # the last: 2 chunks of 512
 
@@ -21,14 +23,18 @@ CASES = {"int4": ["--quantization", "int4"],
          "compressed-tensors": None}  # a random Llama's checkpoint, made by the fixture
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama, tmp_path_factory) -> Path:
+    """A random 8-head Llama (tensor parallelism splits it) as compressed-tensors writes W4A16:
+    asymmetric int4 in groups of 32."""
+    return write_compressed(tiny_llama, tmp_path_factory.mktemp("w4a16"), "pack-quantized",
+                            num_bits=4, type="int", strategy="group", group_size=32,
+                            symmetric=False)
+
+
 @pytest.fixture(scope="module", params=CASES)
-def pair(request, tiny_llama, tmp_path_factory):
-    flags = CASES[request.param]
-    if flags is None:
-        folder = write_compressed(tiny_llama, tmp_path_factory.mktemp("w4a16"), "pack-quantized",
-                                  num_bits=4, type="int", strategy="group", group_size=32,
-                                  symmetric=False)
-        flags = ["--model", str(folder)]
+def pair(request, checkpoint):
+    flags = CASES[request.param] or ["--model", str(checkpoint)]
     # kv_both: the prefill serves plain requests too, as a monolith with the same weights.
     flags = [*flags, "--max-model-len", "1024"]
     prefill, decode = serve(kv_config(), *flags), serve(kv_config(), *flags)
@@ -54,3 +60,30 @@ def test_pd_equals_monolithic_with_quantized_weights(pair):
         assert g["logprobs"]["token_logprobs"][1:] == w["logprobs"]["token_logprobs"][1:]
     assert metric(decode.url, "pdserve_kv_transfers_total") - pulled == len(PROMPTS)
     pools_whole(prefill.url, decode.url)
+
+
+def test_tensor_parallel_serves_quantized_weights(checkpoint):
+    """TP=2 on int4 weights: each rank's slice of q/k/v and gate/up rows, and of o and down
+    columns (whole groups of 32), computed as stored; greedy output equal to TP=1's up to
+    near-ties (the row-parallel products' partial sums are added in another order), and
+    P/D from a TP=1 prefill into the TP=2 decode equal to the TP=2 decode alone."""
+    tp = {size: start_server([
+        "serve", "--model", str(checkpoint), "--dtype", "float32", "--num-kv-blocks", "64",
+        "--tensor-parallel-size", str(size), "--kv-transfer-config", kv_config(),
+        "--kv-side-channel-port", str(free_port(count=size))], timeout=300) for size in (1, 2)}
+    try:
+        body = {**_body(PASSAGE[:300]), "logprobs": 2}
+        one, two = (httpx.post(tp[n].url + "/v1/completions", json=body, timeout=120).json()
+                    ["choices"][0]["logprobs"] for n in (1, 2))
+        parted = next((i for i, (a, b) in enumerate(zip(one["tokens"], two["tokens"],
+                                                        strict=True)) if a != b), None)
+        if parted is not None:
+            top = sorted(one["top_logprobs"][parted].values(), reverse=True)
+            assert top[0] - top[1] < NEAR_TIE, (parted, one["tokens"], two["tokens"])
+        pulled = metric(tp[2].url, "pdserve_kv_transfers_total")
+        got = remote_pd(tp[1].url, tp[2].url, body).json()["choices"][0]["logprobs"]
+        assert got["tokens"] == two["tokens"]
+        assert metric(tp[2].url, "pdserve_kv_transfers_total") == pulled + 1
+        pools_whole(tp[1].url, tp[2].url)
+    finally:
+        stop(*tp.values())

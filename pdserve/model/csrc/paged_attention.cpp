@@ -484,7 +484,6 @@ inline void stage_key_pairs(const uint16_t* k0, const int64_t* table, int64_t be
 }
 
 inline float max_lanes(f32x16 x) {  // a tree, like sum()
-  typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
   const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
   const f32x8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -519,12 +518,30 @@ struct Rows {
 template <int C, int R, int NG>
 inline void score_span(const Rows<C, R>& st, const float* kt, int64_t g, f32x16 (&sc)[R][NG]) {
   constexpr int64_t dim = C * kLanes;
+#if defined(__AVX512F__)
   for (int64_t d = 0; d < dim; ++d)
     for (int j = 0; j < NG; ++j) {
       f32x16 k = load(kt + ((g + j) * dim + d) * kLanes);
       in_register(k);
       for (int r = 0; r < R; ++r) sc[r][j] += st.q[r][d] * k;
     }
+#else
+  // 8-float registers, as the hardware's: GCC spills 16-float vectors' halves (and builds
+  // each broadcast on the stack) when their working set is past its 16 registers.
+  f32x8 acc[R][NG][2] = {};
+  for (int64_t d = 0; d < dim; ++d)
+    for (int j = 0; j < NG; ++j) {
+      const float* k = kt + ((g + j) * dim + d) * kLanes;
+      const f32x8 lo = load8(k), hi = load8(k + 8);
+      for (int r = 0; r < R; ++r) {
+        const f32x8 q = f32x8{} + st.q[r][d];
+        acc[r][j][0] += q * lo;
+        acc[r][j][1] += q * hi;
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NG; ++j) sc[r][j] = join(acc[r][j][0], acc[r][j][1]);
+#endif
 }
 
 // Folds the scores sc into the rows' running max and sum, rescaling what was summed before;
@@ -595,6 +612,7 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
   f32x16 sc[R][NG] = {};
   score_span<C, R, NG>(st, kt, g, sc);
   softmax_span<C, R, NG>(st, sc, g, first, a);
+#if defined(__AVX512F__)
   f32x16 o[R][C];  // in registers for the loop (V's floats could alias st.o for the compiler)
   std::memcpy(o, st.o, sizeof o);
   for (int t = 0; t < NG * kLanes; ++t) {
@@ -607,6 +625,24 @@ inline void fold_span(Rows<C, R>& st, const float* kt, const float* vf, int64_t 
       for (int c = 0; c < C; ++c) o[r][c] += st.p[r][t] * v[c];
   }
   std::memcpy(st.o, o, sizeof o);
+#else
+  // 8-float registers (see score_span), the rows' outputs 8 registers at a time
+  constexpr int W = 2 * C, B = (8 / R < W ? 8 / R : W);
+  for (int w0 = 0; w0 < W; w0 += B) {
+    f32x8 o[R][B];
+    for (int r = 0; r < R; ++r)
+      std::memcpy(o[r], reinterpret_cast<const float*>(st.o[r]) + w0 * 8, sizeof o[r]);
+    for (int t = 0; t < NG * kLanes; ++t) {
+      const float* v = vf + (g * kLanes + t) * dim + w0 * 8;
+      for (int r = 0; r < R; ++r) {
+        const f32x8 p = f32x8{} + st.p[r][t];
+        for (int w = 0; w < B; ++w) o[r][w] += p * load8(v + w * 8);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      std::memcpy(reinterpret_cast<float*>(st.o[r]) + w0 * 8, o[r], sizeof o[r]);
+  }
+#endif
 }
 
 #if defined(__AVX512BF16__)
@@ -771,7 +807,13 @@ template <typename T, int C>
 void attend_chunk(const T* q, int64_t q_stride, T* out, int64_t out_stride, const T* k0,
                   const int64_t* table, int64_t n, int64_t pos, int64_t heads,
                   int64_t kv_heads, const Layout& s, const Attn& a, int threads) {
-  constexpr int R = 16 / C;  // O's accumulators fill half the vector registers
+  // O's accumulators fill half the vector registers (AVX-512's 32); with AVX2's 16, two rows
+  // (the fastest of 1, 2 and 4 at head_dim 64 and 128 on Zen 3)
+#if defined(__AVX512F__)
+  constexpr int R = 16 / C;
+#else
+  constexpr int R = 2;
+#endif
   constexpr int64_t dim = C * kLanes;
   const int64_t keys = pos + n, groups = (keys + kLanes - 1) / kLanes, group = heads / kv_heads;
   const int64_t first_tile = pos / kLanes, tiles = groups - first_tile;

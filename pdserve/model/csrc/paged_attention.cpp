@@ -269,6 +269,7 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
     softmax(score + g * n, n);
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
   }
+#if defined(__AVX512F__)
   for_each_value(k0, table, begin, n, s, ahead, [&](int64_t t, const T* v) {
     f32x16 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load(v + c * kLanes);
@@ -277,6 +278,32 @@ void attend_head(const T* q, T* out, const T* k0, const int64_t* table, int64_t 
       for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
     }
   });
+#else
+  // AVX2's 16 registers hold no group's whole output: 16 tokens at a time, their V rows
+  // summed 8 dims at a time for every head of the group (8-float registers: vec.h's f32x8).
+  // Each output still adds the tokens in order.
+  const T* rows[kLanes];
+  int m = 0;
+  int64_t first = 0;
+  auto flush = [&] {
+    for (int w = 0; w < 2 * C; ++w) {
+      f32x8 a[kG];
+      for (int g = 0; g < group; ++g) a[g] = half(acc[g][w / 2], w % 2);
+      for (int j = 0; j < m; ++j) {
+        const f32x8 v = load8(rows[j] + 8 * w);
+        for (int g = 0; g < group; ++g) a[g] += (f32x8{} + score[g * n + first + j]) * v;
+      }
+      for (int g = 0; g < group; ++g) set_half(acc[g][w / 2], w % 2, a[g]);
+    }
+    first += m;
+    m = 0;
+  };
+  for_each_value(k0, table, begin, n, s, ahead, [&](int64_t, const T* v) {
+    rows[m++] = v;
+    if (m == kLanes) flush();
+  });
+  if (m) flush();
+#endif
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) store(acc[g][c], out + (g * C + c) * kLanes);
 }

@@ -14,8 +14,21 @@ typedef float f32x16 __attribute__((vector_size(64)));
 // scalar broadcast on the stack (a chunk's attention ran 7x slower than with these).
 typedef float f32x8 __attribute__((vector_size(32)));
 inline f32x8 load8(const float* p) { f32x8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline f32x8 load8(const uint16_t* p) {  // bfloat16 is the top half of a float32
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h; std::memcpy(&h, p, sizeof h);
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v; std::memcpy(&v, &w, sizeof v); return v;
+}
 inline f32x16 join(f32x8 lo, f32x8 hi) {
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline f32x8 half(const f32x16& x, int i) {  // lanes 8i .. 8i + 7
+  f32x8 v; std::memcpy(&v, reinterpret_cast<const float*>(&x) + 8 * i, sizeof v); return v;
+}
+inline void set_half(f32x16& x, int i, f32x8 v) {
+  std::memcpy(reinterpret_cast<float*>(&x) + 8 * i, &v, sizeof v);
 }
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));

@@ -86,6 +86,15 @@ def _table(q: torch.Tensor, scales: torch.Tensor, bits: int,
     return Table((q + 8).to(torch.int8), s, 4, mins)
 
 
+def _consecutive(g_idx: torch.Tensor | None, k: int, groups: int, stem: str) -> None:
+    """Refuses a weight whose inputs' groups (g_idx) are not consecutive runs: quantized with
+    act-order (GPTQ's desc_act, llm-compressor's actorder "group")."""
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k // groups)):
+        raise UnsupportedCheckpoint(f"{stem} was quantized with act-order (GPTQ's desc_act, "
+                                    "llm-compressor's actorder group): pdserve computes "
+                                    "groups of consecutive inputs")
+
+
 def _float(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A float8 weight [n, k] times its scale, per tensor ([] or [1]), channel ([n, 1]) or
     block ([ceil(n / bn), ceil(k / bk)]), in float32."""
@@ -117,6 +126,8 @@ def _compressed_tensors(qc: dict) -> Reader:
         zeros = t.get(f"{stem}.weight_zero_point")
         if (packed := t.get(f"{stem}.weight_packed")) is not None:
             n, k = t[f"{stem}.weight_shape"].tolist()
+            _consecutive(t.get(f"{stem}.weight_g_idx"), k, t[f"{stem}.weight_scale"].shape[1],
+                         stem)
             q = _unpacked(packed, bits)[:, :k].int() - (1 << bits - 1)
             if zeros is not None:  # packed along the outputs
                 zeros = _unpacked(zeros.t(), bits).t()[:n].int() - (1 << bits - 1)
@@ -140,13 +151,7 @@ def _gptq(qc: dict) -> Reader:
             return t.get(f"{stem}.weight")
         q = _unpacked(qweight.t(), bits).int()  # [n, k]: packed along the inputs
         scales = t[f"{stem}.scales"].t()
-        size = q.shape[1] // scales.shape[1]
-        g_idx = t.get(f"{stem}.g_idx")
-        if g_idx is not None and not torch.equal(g_idx.long(),
-                                                 torch.arange(q.shape[1]) // size):
-            raise UnsupportedCheckpoint(f"{stem}: a GPTQ checkpoint quantized with act-order "
-                                        "(desc_act): pdserve computes groups of consecutive "
-                                        "inputs")
+        _consecutive(t.get(f"{stem}.g_idx"), q.shape[1], scales.shape[1], stem)
         # v1 checkpoints (AutoGPTQ's) store each zero point minus one
         zeros = _unpacked(t[f"{stem}.qzeros"], bits).int().t() + offset
         middle = 1 << bits - 1

@@ -193,6 +193,21 @@ def test_gptq_act_order_is_refused(tmp_path):
         weights[f"{Q}.weight"]
 
 
+def test_compressed_tensors_act_order_is_refused(tiny_llama, tmp_path):
+    """llm-compressor's GPTQ with actorder "group" stores each input's group (weight_g_idx)."""
+    folder = write_compressed(tiny_llama, tmp_path / "w4a16", "pack-quantized", **INT4)
+    tensors = loader.load_state_dict(folder)
+    stem = "model.layers.0.self_attn.q_proj"
+    tensors[f"{stem}.weight_g_idx"] = torch.arange(128) // 32  # consecutive: read
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert isinstance(CheckpointWeights(_folder(tmp_path / "a", config, tensors))[
+        f"{stem}.weight"], Table)
+    tensors[f"{stem}.weight_g_idx"] = torch.randperm(128) // 32
+    weights = CheckpointWeights(_folder(tmp_path / "b", config, tensors))
+    with pytest.raises(UnsupportedCheckpoint, match="act-order"):
+        weights[f"{stem}.weight"]
+
+
 def test_fp8_block_scales_read_dequantized(tmp_path):
     g = torch.Generator().manual_seed(0)
     w8 = (torch.randn(128, 128, generator=g) * 50).to(torch.float8_e4m3fn)
